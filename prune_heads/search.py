@@ -1,0 +1,129 @@
+"""Budget search: the largest prefix of the dormant-first ranking whose static ablation stays within budget.
+
+Accuracy is not monotone in the number of heads removed, so the search keeps every evaluated point (the
+curve) and picks the largest evaluated size that is within budget. A coarse grid runs upwards until
+``patience`` grid points in a row fail, then bisection refines between the best passing size and the
+next failing one.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import UserError
+from .evaluation import EvalResult, PairedDelta, paired_delta
+from .heads import HeadSet
+
+DEFAULT_GRID = (0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most ``points`` accuracy points below the unablated model on the same questions."""
+
+    points: float
+
+    @staticmethod
+    def parse(text: str | float) -> "Budget":
+        raw = str(text).strip().lower()
+        m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(%|pt|pts|points?)?", raw)
+        if not m:
+            raise UserError(
+                f"--budget {text!r} is not a budget; write accuracy points as 1%, 0.5 or 2pt (at most that many points "
+                "below the unablated model)"
+            )
+        value = float(m.group(1))
+        if value < 0 or value > 100:
+            raise UserError(f"--budget {text!r} is out of range; it must be between 0 and 100 accuracy points")
+        return Budget(value)
+
+    def allows(self, delta: PairedDelta) -> bool:
+        return delta.delta >= -self.points - 1e-9
+
+    def __str__(self) -> str:
+        return f"{self.points:g} accuracy points"
+
+
+@dataclass
+class SearchPoint:
+    num_heads: int
+    fraction: float
+    heads: HeadSet
+    accuracy: float
+    delta: PairedDelta
+    within_budget: bool
+    stage: str  # "baseline" | "grid" | "refine"
+    result: EvalResult = field(repr=False, compare=False, default=None)  # per-question results (not in to_json)
+
+    def to_json(self) -> dict:
+        return {
+            "num_heads": self.num_heads,
+            "fraction": round(self.fraction, 6),
+            "accuracy": round(self.accuracy, 6),
+            **self.delta.to_json(),
+            "within_budget": self.within_budget,
+            "stage": self.stage,
+        }
+
+
+@dataclass
+class SearchResult:
+    points: list[SearchPoint] = field(default_factory=list)
+    best: SearchPoint | None = None
+
+    def curve(self) -> list[SearchPoint]:
+        return sorted(self.points, key=lambda p: p.num_heads)
+
+
+def search_budget(
+    ranking: list[tuple[int, int]],
+    evaluate_heads: Callable[[HeadSet, str], EvalResult],
+    baseline: EvalResult,
+    budget: Budget,
+    grid: tuple[float, ...] = DEFAULT_GRID,
+    patience: int = 2,
+    refine_steps: int = 3,
+    on_point: Callable[[SearchPoint], None] | None = None,
+) -> SearchResult:
+    total = len(ranking)
+    result = SearchResult()
+    done: dict[int, SearchPoint] = {}
+
+    def point(k: int, stage: str) -> SearchPoint:
+        if k in done:
+            return done[k]
+        heads = HeadSet.from_pairs(ranking[:k])
+        res = baseline if k == 0 else evaluate_heads(heads, f"{k}/{total} heads off")
+        delta = paired_delta(res, baseline)
+        p = SearchPoint(k, k / total, heads, res.accuracy, delta, budget.allows(delta), stage, res)
+        done[k] = p
+        result.points.append(p)
+        if on_point:
+            on_point(p)
+        return p
+
+    point(0, "baseline")
+    sizes = sorted({max(1, round(f * total)) for f in grid if 0 < f <= 1})
+    best_k, fails_in_row, first_fail_above = 0, 0, None
+    for k in sizes:
+        if point(k, "grid").within_budget:
+            best_k, fails_in_row, first_fail_above = k, 0, None
+        else:
+            fails_in_row += 1
+            first_fail_above = first_fail_above or k
+            if fails_in_row >= patience:
+                break
+    # Refine between the best passing size and the first failing size above it.
+    lo, hi = best_k, first_fail_above
+    for _ in range(refine_steps):
+        if hi is None or hi - lo <= 1:
+            break
+        mid = (lo + hi) // 2
+        if point(mid, "refine").within_budget:
+            lo = mid
+        else:
+            hi = mid
+    passing = [p for p in result.points if p.within_budget]
+    result.best = max(passing, key=lambda p: p.num_heads)
+    return result
