@@ -1,5 +1,9 @@
 """Zero chosen heads' outputs before o_proj: a context manager that leaves the model untouched on exit.
 
+A PrunePlan can stand in for the mask: its removed heads are zeroed, and for families whose q/k norms act
+across heads (OLMo-2) those norms are recomputed over exactly the heads the pruned model keeps (KV copies
+counted twice, dummy heads as zeros), so the ablated model computes what the pruned one will.
+
 The mask is ``[layer, head]`` (one head set for every input: static ablation) or ``[batch, layer, head]``
 (a head set per input row: dynamic ablation, or several head sets evaluated in one batch). 1 keeps a head,
 0 removes it. The hook multiplies o_proj's input ``[batch, seq, num_heads * head_dim]`` head by head.
@@ -13,6 +17,7 @@ import torch
 
 from .heads import HeadSet
 from .models.loading import LoadedModel
+from .pruning import LayerPlan, PrunePlan
 
 
 class HeadAblation:
@@ -22,8 +27,14 @@ class HeadAblation:
         self.mask: torch.Tensor | None = None
         self._active: list[bool] = []
         self._handles: list = []
+        self._norm_plan: list[LayerPlan | None] = [None] * len(self.layouts)
 
-    def set_mask(self, mask: torch.Tensor | HeadSet | None) -> None:
+    def set_mask(self, mask: "torch.Tensor | HeadSet | PrunePlan | None") -> None:
+        self._norm_plan = [None] * len(self.layouts)
+        if isinstance(mask, PrunePlan):
+            if mask.kind != "masked" and self.lm.adapter.qk_norm == "across_heads":
+                self._norm_plan = [None if lp.is_identity or not lp.slots else lp for lp in mask.layers]
+            mask = mask.removed
         if isinstance(mask, HeadSet):
             mask = mask_for(self.lm, mask)
         self.mask = None if mask is None else mask.to(self.lm.device)
@@ -51,11 +62,36 @@ class HeadAblation:
 
         return pre_hook
 
+    def _norm_hook(self, layer: int, which: str):
+        """Replace a cross-head RMSNorm's output by the norm over the plan's heads (same formula as the module)."""
+        d = self.layouts[layer].head_dim
+
+        def hook(module, args, output):
+            lp = self._norm_plan[layer]
+            if lp is None:
+                return None
+            index = lp.slots if which == "q" else lp.kv_slots
+            x = args[0]
+            xf = x.float()
+            per_head = xf.view(*xf.shape[:-1], -1, d).pow(2).sum(-1)  # [B, S, heads]
+            counts = torch.zeros(per_head.shape[-1], device=x.device)
+            for h in index:
+                if h is not None:
+                    counts[h] += 1
+            variance = (per_head * counts).sum(-1, keepdim=True) / (len(index) * d)
+            normed = xf * torch.rsqrt(variance + module.variance_epsilon)
+            return (module.weight * normed).to(x.dtype)
+
+        return hook
+
     def __enter__(self) -> "HeadAblation":
         adapter = self.lm.adapter
         for layer in range(adapter.num_layers(self.lm.model)):
-            o_proj = adapter.output_projection(adapter.attention(self.lm.model, layer))
+            attn = adapter.attention(self.lm.model, layer)
+            o_proj = adapter.output_projection(attn)
             self._handles.append(o_proj.register_forward_pre_hook(self._hook(layer)))
+            for which, norm in adapter.across_head_norms(attn).items():
+                self._handles.append(norm.register_forward_hook(self._norm_hook(layer, which)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -63,6 +99,7 @@ class HeadAblation:
             h.remove()
         self._handles.clear()
         self.mask = None
+        self._norm_plan = [None] * len(self.layouts)
 
 
 def mask_for(lm: LoadedModel, heads: HeadSet) -> torch.Tensor:
@@ -72,7 +109,7 @@ def mask_for(lm: LoadedModel, heads: HeadSet) -> torch.Tensor:
 
 
 @contextmanager
-def ablate(lm: LoadedModel, mask: torch.Tensor | HeadSet | None) -> Iterator[HeadAblation]:
+def ablate(lm: LoadedModel, mask: "torch.Tensor | HeadSet | PrunePlan | None") -> Iterator[HeadAblation]:
     """``with ablate(lm, heads): ...`` runs the model with those heads' outputs zeroed."""
     abl = HeadAblation(lm)
     with abl:

@@ -85,13 +85,13 @@ def _settings(kw: dict, **extra):
         max_length=kw.get("max_length"), batch_size=kw.get("batch_size"), progress=not kw.get("no_progress"),
         **extra,
     )
-    settings = resolve_settings(kw["model"], kw.get("recipe"), **flags)
     # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
+    overrides = {}
     if per_subject is not None:
-        settings.mmlu_per_subject = None if per_subject == "all" else per_subject
+        overrides["mmlu_per_subject"] = None if per_subject == "all" else per_subject
     if subjects is not None:
-        settings.mmlu_subjects = None if subjects == "all" else subjects
-    return settings
+        overrides["mmlu_subjects"] = None if subjects == "all" else subjects
+    return resolve_settings(kw["model"], kw.get("recipe"), overrides=overrides, **flags)
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})

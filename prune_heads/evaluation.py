@@ -25,6 +25,7 @@ from .ablation import HeadAblation, mask_for
 from .data.mmlu import LETTERS, MMLUData, MMLUQuestion, build_prompt, fewshot_prefix
 from .heads import HeadSet
 from .models.loading import LoadedModel
+from .pruning import PrunePlan
 
 
 def encode(lm: LoadedModel, text: str) -> list[int]:
@@ -127,9 +128,9 @@ class EvalResult:
         ]
 
 
-# A mask provider: None (no ablation), one HeadSet / [L, H] tensor for every question, or a per-question
-# function ``question_index -> [L, H] tensor`` (dynamic ablation).
-MaskSpec = HeadSet | torch.Tensor | Callable[[int], torch.Tensor] | None
+# A mask provider: None (no ablation), one HeadSet / PrunePlan / [L, H] tensor for every question, a
+# [N, L, H] tensor, or a per-question function ``question_index -> [L, H] tensor`` (dynamic ablation).
+MaskSpec = HeadSet | PrunePlan | torch.Tensor | Callable[[int], torch.Tensor] | None
 
 
 def _mask_getter(lm: LoadedModel, masks: MaskSpec) -> Callable[[int], torch.Tensor | None]:
@@ -138,6 +139,8 @@ def _mask_getter(lm: LoadedModel, masks: MaskSpec) -> Callable[[int], torch.Tens
     if isinstance(masks, HeadSet):
         m = mask_for(lm, masks)
         return lambda i: m
+    if isinstance(masks, PrunePlan):
+        return lambda i: masks
     if isinstance(masks, torch.Tensor):
         return (lambda i: masks[i]) if masks.dim() == 3 else (lambda i: masks)
     return masks
@@ -231,7 +234,7 @@ def evaluate(
             group_mask: dict[bytes | None, torch.Tensor | None] = {}
             for r, item in enumerate(subject.items):
                 m = get_mask(offset + r)
-                key = None if m is None else m.detach().to(torch.float32).cpu().numpy().tobytes()
+                key = m if m is None or isinstance(m, PrunePlan) else m.detach().to(torch.float32).cpu().numpy().tobytes()
                 groups.setdefault(key, []).append(r)
                 group_mask[key] = m
             for key, rows in groups.items():

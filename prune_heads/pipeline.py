@@ -54,7 +54,7 @@ class Settings:
         return d
 
 
-def resolve_settings(model: str, recipe: str | None = None, **flags) -> Settings:
+def resolve_settings(model: str, recipe: str | None = None, overrides: dict | None = None, **flags) -> Settings:
     """Read the model's config (cheap) to pick its recipe, then fill every unset flag from the recipe."""
     source = resolve_source(model)
     config = load_config(source, flags.get("trust_remote_code") or False, flags.get("revision"))
@@ -70,11 +70,16 @@ def resolve_settings(model: str, recipe: str | None = None, **flags) -> Settings
     for key, value in flags.items():
         if value is not None:
             values[key] = value
+    values.update(overrides or {})  # explicit values that may be None ("all")
     if values.get("scorer") not in SCORE_KEYS:
         raise UserError(f"unknown scorer {values.get('scorer')!r}; choose one of: {', '.join(SCORE_KEYS)}")
     Budget.parse(values["budget"])  # fail before any model loads
     s = Settings(model=model, recipe=rec, **{k: v for k, v in values.items() if k in Settings.__dataclass_fields__})
     s._loaded.update(source=source, config=config)
+    # Read the data now: a bad path or file fails in seconds, before the weights load.
+    s._loaded["mmlu"] = load_mmlu(s.mmlu).subset(s.mmlu_per_subject, s.mmlu_subjects)
+    if s.calibration:
+        s._loaded["calibration"] = load_calibration(s.calibration, s.calibration_size)
     return s
 
 
@@ -86,14 +91,16 @@ def load(settings: Settings) -> LoadedModel:
 
 
 def load_questions(settings: Settings) -> MMLUData:
-    return load_mmlu(settings.mmlu).subset(settings.mmlu_per_subject, settings.mmlu_subjects)
+    if "mmlu" not in settings._loaded:
+        settings._loaded["mmlu"] = load_mmlu(settings.mmlu).subset(settings.mmlu_per_subject, settings.mmlu_subjects)
+    return settings._loaded["mmlu"]
 
 
 def calibration_sequences(lm: LoadedModel, settings: Settings, enc: EncodedMMLU | None) -> tuple[list[list[int]], str]:
     """Token sequences to score on: the user's texts, or else the MMLU prompts themselves, taken round-robin
     over subjects so a small calibration set still covers every subject."""
     if settings.calibration:
-        texts = load_calibration(settings.calibration, settings.calibration_size)
+        texts = settings._loaded.get("calibration") or load_calibration(settings.calibration, settings.calibration_size)
         seqs = [encode(lm, t)[: settings.max_length] for t in texts]
         seqs = [s for s in seqs if len(s) >= 2]
         if not seqs:

@@ -8,12 +8,17 @@ declared here, one small class per family.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import nn
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from ..pruning import LayerPlan
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,84 @@ class ArchAdapter:
         projection output is exactly what attention mixes."""
         return attn.v_proj, None
 
+    # -- physical pruning ---------------------------------------------------------------------------------
+
+    def qkv_weights(self, attn: nn.Module):
+        """(q_w, q_b, k_w, k_b, v_w, v_b), weights ``[out, hidden]`` with head ``h`` in rows ``h*D:(h+1)*D``."""
+        return (attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
+                attn.v_proj.weight, attn.v_proj.bias)
+
+    def build_qkv(self, attn: nn.Module, new: dict) -> dict[str, nn.Module]:
+        from ..pruning import _linear
+
+        return {f"{n}_proj": _linear(*new[n]) for n in ("q", "k", "v")}
+
+    def sliced_norms(self, attn: nn.Module, plan: "LayerPlan") -> dict[str, nn.Module]:
+        """Per-head norms (Qwen3, Gemma3) act on head_dim and need nothing; cross-head norms are sliced."""
+        return {}
+
+    def across_head_norms(self, attn: nn.Module) -> dict[str, nn.Module]:
+        """``{"q": q_norm, "k": k_norm}`` where they normalise over all heads together (empty otherwise)."""
+        return {}
+
+    def export_config(self, config, shapes: list[tuple[int, int]]):
+        """A config for the pruned model: uniform shapes go into the global fields (explicit head_dim), differing
+        shapes into ``per_layer_config``. Returns None if this family's config class refuses the shapes."""
+        return _config_with_heads(type(config), config, shapes, self.layout_head_dim(config))
+
+    def layout_head_dim(self, config) -> int:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def valid_num_heads(self, config, num_heads: int) -> bool:
+        return num_heads > 0
+
+
+def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head_dim: int):
+    """Rebuild ``config`` (as ``config_class``) with per-layer query/KV head counts; None if validation refuses."""
+    d = config.to_dict()
+    for key in ("quantization_config", "per_layer_config", "_name_or_path", "transformers_version", "auto_map"):
+        d.pop(key, None)
+    d["head_dim"] = head_dim
+    if config_class.model_type != config.model_type:
+        d["model_type"] = config_class.model_type
+        d["architectures"] = [d.get("architectures", ["X"])[0].replace(type(config).__name__.replace("Config", ""),
+                                                                      config_class.__name__.replace("Config", ""))]
+    counts = {shape for shape in shapes if shape[0] > 0}
+    if len(counts) <= 1 and all(h > 0 for h, _ in shapes):
+        (h, kv), = counts
+        d["num_attention_heads"], d["num_key_value_heads"] = h, kv
+    else:
+        per_layer = {}
+        for i, (h, kv) in enumerate(shapes):
+            per_layer[i] = {"skip": ["self_attn"]} if h == 0 else {"num_attention_heads": h, "num_key_value_heads": kv}
+        d["per_layer_config"] = per_layer
+    try:
+        return config_class(**d)
+    except (ValueError, TypeError):
+        return None
+
 
 class LlamaAdapter(ArchAdapter):
     name = "llama"
     model_types = ("llama",)
+
+    def export_config(self, config, shapes):
+        """LlamaConfig refuses ``hidden_size % num_attention_heads != 0`` even with an explicit head_dim. Mistral's
+        decoder is the same computation (RMSNorm, SiLU MLP, RoPE, no biases) and its config accepts any head count,
+        so bias-free Llama checkpoints whose new head counts Llama refuses are written as Mistral."""
+        cfg = super().export_config(config, shapes)
+        if cfg is not None or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            return cfg
+        from transformers import MistralConfig
+
+        cfg = _config_with_heads(MistralConfig, config, shapes, self.layout_head_dim(config))
+        if cfg is not None:
+            cfg.sliding_window = None
+        return cfg
+
+    def valid_num_heads(self, config, num_heads):
+        bias_free = not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
+        return num_heads > 0 and (bias_free or config.hidden_size % num_heads == 0)
 
 
 class MistralAdapter(ArchAdapter):
@@ -103,11 +182,29 @@ class Olmo2Adapter(ArchAdapter):
     model_types = ("olmo2",)
     qk_norm = "across_heads"
 
+    def across_head_norms(self, attn):
+        return {"q": attn.q_norm, "k": attn.k_norm}
+
+    def sliced_norms(self, attn, plan):
+        d = plan.layout.head_dim
+
+        def sliced(norm, index):
+            w = norm.weight
+            parts = [w[h * d:(h + 1) * d] if h is not None else torch.zeros_like(w[:d]) for h in index]
+            new = copy.deepcopy(norm)
+            new.weight = nn.Parameter(torch.cat(parts) if parts else w[:0], requires_grad=False)
+            return new
+
+        return {"q_norm": sliced(attn.q_norm, plan.slots), "k_norm": sliced(attn.k_norm, plan.kv_slots)}
+
 
 class Gemma2Adapter(ArchAdapter):
     name = "gemma2"
     model_types = ("gemma2",)
     add_bos_for_eval = True
+
+    def valid_num_heads(self, config, num_heads):
+        return num_heads > 0 and config.hidden_size % num_heads == 0  # Gemma configs refuse other counts
 
 
 class Gemma3TextAdapter(Gemma2Adapter):
@@ -124,6 +221,22 @@ class Phi3Adapter(ArchAdapter):
     def _kv_out_features(self, attn: nn.Module) -> int:
         q_size = attn.o_proj.in_features
         return (attn.qkv_proj.out_features - q_size) // 2
+
+    def qkv_weights(self, attn):
+        q_size = attn.o_proj.in_features
+        kv_size = self._kv_out_features(attn)
+        w = attn.qkv_proj.weight
+        b = attn.qkv_proj.bias
+        split = lambda t: (None, None, None) if t is None else (t[:q_size], t[q_size:q_size + kv_size], t[q_size + kv_size:])
+        (qw, kw, vw), (qb, kb, vb) = split(w), split(b)
+        return qw, qb, kw, kb, vw, vb
+
+    def build_qkv(self, attn, new):
+        from ..pruning import _linear
+
+        weight = torch.cat([new[n][0] for n in ("q", "k", "v")])
+        bias = None if new["q"][1] is None else torch.cat([new[n][1] for n in ("q", "k", "v")])
+        return {"qkv_proj": _linear(weight, bias)}
 
     def value_projection(self, attn: nn.Module) -> tuple[nn.Module, slice | None]:
         # qkv_proj output is [q (H*D) | k (KV*D) | v (KV*D)].

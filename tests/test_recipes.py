@@ -1,0 +1,31 @@
+import pytest
+
+from prune_heads.errors import UserError
+from prune_heads.recipes import builtin_recipes, load_recipe, recipe_for
+
+
+def test_builtin_recipes_exist_and_fill_from_default():
+    assert {"default", "llama3", "smollm2", "qwen2.5", "olmo2"} <= set(builtin_recipes())
+    r = load_recipe("smollm2")
+    assert r.get("scorer") == "ahon_ln" and r.get("dtype") == "bfloat16"
+    assert r.get("mmlu_per_subject", "cpu") == 4 and r.get("mmlu_per_subject", "cuda") is None
+
+
+def test_recipe_matching():
+    assert recipe_for("HuggingFaceTB/SmolLM2-360M", "llama").name == "smollm2"
+    assert recipe_for("meta-llama/Llama-3.2-1B", "llama").name == "llama3"
+    assert recipe_for("Qwen/Qwen2.5-0.5B", "qwen2").name == "qwen2.5"
+    assert recipe_for("allenai/OLMo-2-0425-1B", "olmo2").name == "olmo2"
+    assert recipe_for("someone/model", "phi3").name == "default"
+
+
+def test_user_recipe_file_overrides_and_bad_keys_fail(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("name: mine\nscorer: awft\nbudget: 2pt\n")
+    r = load_recipe(str(p))
+    assert r.name == "mine" and r.get("scorer") == "awft" and r.get("calibration_size") == 128
+    p.write_text("scorr: awft\n")
+    with pytest.raises(UserError, match="unknown keys"):
+        load_recipe(str(p))
+    with pytest.raises(UserError, match="neither a file nor a built-in"):
+        load_recipe("nope")

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from prune_heads.data.mmlu import MMLUQuestion
+from prune_heads.errors import UserError
+from prune_heads.evaluation import EvalResult
+from prune_heads.heads import HeadSet
+from prune_heads.search import Budget, search_budget
+
+
+@pytest.mark.parametrize("text,points", [("1%", 1.0), ("0.5", 0.5), ("2pt", 2.0), (" 1.5 % ", 1.5), ("3 points", 3.0), (".5", 0.5)])
+def test_budget_parses(text, points):
+    assert Budget.parse(text).points == points
+
+
+@pytest.mark.parametrize("text", ["abc", "-1%", "1%%", "", "150%", "1 nat"])
+def test_malformed_budget_is_a_user_error(text):
+    with pytest.raises(UserError, match="budget"):
+        Budget.parse(text)
+
+
+N = 200  # questions
+QS = [MMLUQuestion("s", i, "q", ("a", "b", "c", "d"), 0) for i in range(N)]
+
+
+def result_with_accuracy(correct: int) -> EvalResult:
+    ll = torch.zeros(N, 4)
+    ll[:correct, 0] = 1.0  # first `correct` questions right
+    ll[correct:, 1] = 1.0
+    return EvalResult(QS, ll)
+
+
+def test_search_finds_largest_size_within_budget_and_keeps_every_point():
+    ranking = [(i // 10, i % 10) for i in range(100)]
+    calls = []
+
+    def evaluate(heads: HeadSet, label: str) -> EvalResult:
+        calls.append(len(heads))
+        k = len(heads)
+        return result_with_accuracy(120 if k <= 13 else 100)  # drop of 10 points past 13 heads
+
+    baseline = result_with_accuracy(120)
+    res = search_budget(ranking, evaluate, baseline, Budget(1.0), grid=(0.05, 0.10, 0.15, 0.20, 0.25), patience=2, refine_steps=4)
+    assert res.best.num_heads == 13
+    assert res.best.heads == HeadSet.from_pairs(ranking[:13])
+    sizes = [p.num_heads for p in res.curve()]
+    assert sizes == sorted(set(calls) | {0})
+    assert 15 in sizes and 20 in sizes and 25 not in sizes  # coarse grid stopped after 2 failures in a row
+    assert len(calls) == len(set(calls))  # no size evaluated twice
+
+
+def test_non_monotone_curve_takes_largest_passing_point():
+    ranking = [(0, i) for i in range(40)]
+
+    def evaluate(heads, label):
+        return result_with_accuracy({4: 119, 8: 110, 12: 120, 16: 100, 20: 100}.get(len(heads), 100))
+
+    res = search_budget(ranking, evaluate, result_with_accuracy(120), Budget(1.0), grid=(0.1, 0.2, 0.3, 0.4, 0.5),
+                        patience=2, refine_steps=0)
+    assert res.best.num_heads == 12
+    assert not [p for p in res.points if p.num_heads == 8][0].within_budget
