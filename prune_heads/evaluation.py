@@ -214,6 +214,17 @@ def _fast_subject(lm: LoadedModel, subject: EncodedSubject, rows: Sequence[int],
     return out
 
 
+class _NoAblation:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def set_mask(self, mask):
+        assert mask is None
+
+
 def evaluate(
     lm: LoadedModel,
     enc: EncodedMMLU,
@@ -228,7 +239,8 @@ def evaluate(
     questions: list[MMLUQuestion] = []
     offset = 0
     desc = f"MMLU {label}".strip()
-    with HeadAblation(lm) as abl:
+    # No hooks at all when nothing is ablated (the model may not even have per-layer attention, e.g. skipped layers).
+    with (HeadAblation(lm) if masks is not None else _NoAblation()) as abl:
         for subject in tqdm(enc.subjects, desc=desc, unit="subject", disable=not progress, leave=False):
             groups: dict[bytes | None, list[int]] = {}
             group_mask: dict[bytes | None, torch.Tensor | None] = {}

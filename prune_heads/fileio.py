@@ -53,3 +53,51 @@ def prepare_output_dir(out: str | os.PathLike, force: bool) -> Path:
         raise UserError(f"--out {out} is not empty; choose an empty directory or pass --force to overwrite its files")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+class StagedDirectory:
+    """Write a whole output directory beside its final name, then rename it into place.
+
+    Until ``commit`` the results live in ``.{name}.partial-XXXX`` next to ``out``: an interrupted run never leaves
+    a directory that looks finished under the final name. ``force`` replaces an existing ``out`` (moved aside
+    first, removed only after the new one is in place)."""
+
+    def __init__(self, out: str | os.PathLike, force: bool):
+        self.out = Path(out)
+        prepare_check(self.out, force)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+
+    def commit(self) -> Path:
+        import shutil
+
+        old = None
+        if self.out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+            os.rmdir(old)
+            os.replace(self.out, old)
+        os.replace(self.path, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.out
+
+    def abort(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> "StagedDirectory":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def prepare_check(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"--out {out} is not empty; choose an empty directory or pass --force to replace it")

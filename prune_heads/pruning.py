@@ -211,11 +211,21 @@ def sliced_projections(attn: nn.Module, adapter: ArchAdapter, lp: LayerPlan) -> 
     return modules
 
 
+class SkippedAttention(nn.Module):
+    """A layer whose heads were all removed: attention adds nothing to the residual stream (no parameters)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+
 def apply_plan(model: nn.Module, adapter: ArchAdapter, plan: PrunePlan) -> None:
     """Replace every layer's attention weights in place (the caller owns ``model``; pass a copy to keep the original)."""
     for i, lp in enumerate(plan.layers):
         attn = adapter.attention(model, i)
         if lp.is_identity:
+            continue
+        if not lp.slots:
+            adapter.decoder_layers(model)[i].self_attn = SkippedAttention()
             continue
         for name, module in sliced_projections(attn, adapter, lp).items():
             setattr(attn, name, module)

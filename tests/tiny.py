@@ -10,7 +10,7 @@ from prune_heads.models.loading import LoadedModel, ModelSource
 
 VOCAB = 384
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
+    vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=4, num_attention_heads=6,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
 
@@ -33,7 +33,7 @@ def _config(family: str):
                                final_logit_softcapping=30.0)
     if family == "gemma3_text":
         return tf.Gemma3TextConfig(**COMMON, query_pre_attn_scalar=16, sliding_window=6,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
     if family == "phi3":
         cfg = dict(COMMON)
         return tf.Phi3Config(**cfg, sliding_window=None)

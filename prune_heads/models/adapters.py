@@ -121,7 +121,7 @@ def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head
     d["head_dim"] = head_dim
     if config_class.model_type != config.model_type:
         d["model_type"] = config_class.model_type
-        d["architectures"] = [d.get("architectures", ["X"])[0].replace(type(config).__name__.replace("Config", ""),
+        d["architectures"] = [(d.get("architectures") or [type(config).__name__.replace("Config", "ForCausalLM")])[0].replace(type(config).__name__.replace("Config", ""),
                                                                       config_class.__name__.replace("Config", ""))]
     counts = {shape for shape in shapes if shape[0] > 0}
     if len(counts) <= 1 and all(h > 0 for h, _ in shapes):
@@ -134,7 +134,7 @@ def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head
         d["per_layer_config"] = per_layer
     try:
         return config_class(**d)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RuntimeError):  # RuntimeError: validators that read per-layer fields globally
         return None
 
 

@@ -1,0 +1,57 @@
+"""The model card (README.md with Hub metadata) of an export."""
+from __future__ import annotations
+
+import yaml
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def model_card(meta: dict) -> str:
+    src = meta["source_model"]
+    base = src.get("hub_id") or src.get("spec")
+    front = {
+        "base_model": base,
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["pruned", "attention-head-pruning", "prune-heads", meta["layout"]],
+    }
+    v = meta["verification"]
+    before, after = meta["stats"]["before"], meta["stats"]["after"]
+    mmlu = meta.get("mmlu") or {}
+    lines = [
+        "---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+        f"# {base}, {meta['heads_removed']} attention heads removed",
+        "",
+        f"Pruned with [prune-heads](https://github.com/prune-heads/prune-heads) {meta['prune_heads_version']}: "
+        f"heads ranked by `{meta['scorer']}` (inactive heads score low), the largest set within an MMLU budget of "
+        f"{meta['budget']} verified, then their q/k/v rows and o_proj columns removed.",
+        "",
+        "| | before | after |",
+        "|---|---|---|",
+        f"| query heads | {before['query_heads']} | {after['query_heads']} |",
+        f"| KV heads | {before['kv_heads']} | {after['kv_heads']} |",
+        f"| parameters | {before['parameters']:,} | {after['parameters']:,} |",
+        f"| KV cache per token | {before['kv_cache_bytes_per_token']:,} B | {after['kv_cache_bytes_per_token']:,} B |",
+    ]
+    if mmlu:
+        ci = mmlu.get("ci95_points", [float("nan")] * 2)
+        lines.append(f"| MMLU 5-shot ({mmlu['n']} questions) | {_pct(mmlu['baseline_accuracy'])} | "
+                     f"{_pct(mmlu['pruned_accuracy'])} (delta {mmlu['delta_points']:+.2f} pt, 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]) |")
+    lines += ["", f"Layout: **{meta['layout']}** ({meta['layout_reason']}).", ""]
+    for w in meta.get("warnings", []):
+        lines += [f"> **Warning:** {w}", ""]
+    lines += ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    trust = ", trust_remote_code=True" if meta["layout"] == "per-layer" else ""
+    lines += [f'model = AutoModelForCausalLM.from_pretrained("<this repo or directory>"{trust})',
+              'tokenizer = AutoTokenizer.from_pretrained("<this repo or directory>")', "```", ""]
+    if meta["layout"] == "per-layer":
+        lines += ["Layers keep different numbers of heads, recorded in `config.json` under `per_layer_config`; the small "
+                  "`modeling_pruned.py` shipped here builds each layer from it, hence `trust_remote_code=True`.", ""]
+    lines += ["## Verification", "",
+              f"Reloaded from these files in the same run: max |logit difference| against the ablated original "
+              f"{v['max_abs_logit_diff']:.3g} on {v['prompts']} prompts ({v['dtype']}, tolerance {v['tolerance']:g}).", "",
+              "## Removed heads", "", "`prune_heads.json` lists the removed heads per layer (original indices), the plan "
+              "(which original head sits in each new slot), the scorer, budget and source model hash.", ""]
+    return "\n".join(lines)

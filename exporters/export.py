@@ -1,0 +1,233 @@
+"""Export a head set: physically prune, write a safetensors checkpoint that stock ``from_pretrained`` loads,
+reload it in the same run and check it computes what was verified.
+
+Files: ``model*.safetensors`` (+ index when sharded), ``config.json``, ``generation_config.json``, tokenizer
+files, ``prune_heads.json`` (what was removed and why, written last with a ``verified`` flag and every file's
+sha256), ``README.md`` (model card) and, for the per-layer layout, ``modeling_pruned.py``.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from prune_heads import __version__
+from prune_heads.ablation import ablate
+from prune_heads.errors import UserError
+from prune_heads.evaluation import EncodedMMLU, EvalResult, evaluate, paired_delta
+from prune_heads.fileio import write_json, write_text
+from prune_heads.heads import HeadSet
+from prune_heads.models.adapters import adapter_for
+from prune_heads.models.loading import LoadedModel
+from prune_heads.pruning import pruned_copy
+
+from .card import model_card
+from .layouts import LayoutChoice, choose_layout
+
+MANIFEST = "prune_heads.json"
+TEMPLATE = Path(__file__).parent / "templates" / "modeling_pruned.py"
+LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}
+
+
+@dataclass
+class ExportResult:
+    choice: LayoutChoice
+    stats: dict
+    verification: dict
+    mmlu: dict | None
+    manifest: dict = field(default_factory=dict)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _bytes_per_value(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def model_stats(model, plan_or_layouts, dtype) -> dict:
+    shapes = plan_or_layouts
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "query_heads": sum(h for h, _ in shapes),
+        "kv_heads": sum(k for _, k in shapes),
+        "kv_cache_bytes_per_token": sum(2 * k for _, k in shapes) * _head_dim(model) * _bytes_per_value(dtype),
+    }
+
+
+def _head_dim(model) -> int:
+    cfg = model.config
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def sample_prompts(lm: LoadedModel, enc: EncodedMMLU | None, n: int = 4, length: int = 96) -> torch.Tensor:
+    """A few real prompts (MMLU contexts, truncated) for the logit comparison; token ids 0.. otherwise."""
+    if enc is not None and len(enc):
+        seqs = [it.context[-length:] for it in enc.items[:n]]
+        m = min(len(s) for s in seqs)
+        return torch.tensor([s[-m:] for s in seqs])
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, lm.config.vocab_size, (n, length), generator=g)
+
+
+def _check_disk(out: Path, model) -> None:
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = shutil.disk_usage(out).free
+    if free < need * 1.05 + (64 << 20):
+        raise UserError(f"not enough disk space in {out}: the export needs about {need / 2**30:.2f} GiB, "
+                        f"{free / 2**30:.2f} GiB are free; free some space or choose another --out")
+
+
+def export_pruned(
+    lm: LoadedModel,
+    heads: HeadSet,
+    out: Path,
+    layout: str = "auto",
+    max_shard_size: str = "2GB",
+    enc: EncodedMMLU | None = None,
+    baseline: EvalResult | None = None,
+    ablated: EvalResult | None = None,
+    info: dict | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+    log=print,
+) -> ExportResult:
+    """Write the pruned model into ``out`` (an existing, empty staging directory) and verify it there."""
+    info = info or {}
+    layouts = lm.adapter.layouts(lm.model)
+    heads.validate(len(layouts), [lay.num_heads for lay in layouts])
+    choice = choose_layout(layout, heads, layouts, lm.adapter, lm.config, _bytes_per_value(lm.dtype))
+    log(f"layout {choice.layout}: {choice.reason}")
+
+    # 1. Physically prune a copy and give it a config that describes the new shapes.
+    pruned = pruned_copy(lm.model, lm.adapter, choice.plan)
+    if choice.layout == "masked":
+        config = lm.adapter.export_config(lm.config, [(lay.num_heads, lay.num_kv_heads) for lay in layouts])
+    else:
+        config = lm.adapter.export_config(lm.config, choice.plan.shapes)
+    if config is None:
+        raise UserError(f"the {lm.config.model_type} config cannot describe the head counts {sorted(set(choice.plan.shapes))}; "
+                        "use --layout masked")
+    config.dtype = lm.dtype
+    pruned.config = config
+    pruned.hf_quantizer = None  # GGUF inputs were dequantised on load; the export is a plain checkpoint
+    for attr in ("is_quantized", "quantization_method"):
+        pruned.__dict__.pop(attr, None)
+    _check_disk(out, pruned)
+
+    # 2. Write it.
+    pruned.save_pretrained(out, max_shard_size=max_shard_size)
+    lm.tokenizer.save_pretrained(out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    base_arch = type(lm.model).__name__.replace(type(lm.config).__name__.replace("Config", ""), type(config).__name__.replace("Config", ""))
+    cfg["architectures"] = [base_arch]
+    if choice.layout == "per-layer":
+        write_text(out / "modeling_pruned.py", TEMPLATE.read_text().replace("{{BASE_ARCHITECTURE}}", base_arch))
+        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_pruned.PrunedForCausalLM"}
+        cfg["architectures"] = ["PrunedForCausalLM"]
+    cfg.pop("quantization_config", None)
+    write_json(cfg_path, cfg)
+
+    # 3. Reload from disk and check it computes what was verified.
+    verification = verify_export(lm, choice, out, enc, progress=progress)
+    log(f"reloaded {out.name}: max |logit diff| {verification['max_abs_logit_diff']:.3g} "
+        f"(tolerance {verification['tolerance']:g})")
+    mmlu = None
+    if enc is not None:
+        reloaded = verification.pop("_model")
+        pruned_result = evaluate(reloaded, enc, None, batch_size, progress, label="exported model")
+        mmlu = {"n": len(pruned_result.questions), "pruned_accuracy": round(pruned_result.accuracy, 6)}
+        if baseline is not None:
+            d = paired_delta(pruned_result, baseline)
+            mmlu.update(baseline_accuracy=round(baseline.accuracy, 6), delta_points=round(d.delta, 4),
+                        ci95_points=[round(d.ci_low, 4), round(d.ci_high, 4)])
+        if ablated is not None:
+            mmlu["agreement_with_verified"] = round(float((pruned_result.pred == ablated.pred).double().mean()), 6)
+        log(f"exported model: MMLU {100 * pruned_result.accuracy:.2f}% on {mmlu['n']} questions")
+    verification.pop("_model", None)
+
+    before = model_stats(lm.model, [(lay.num_heads, lay.num_kv_heads) for lay in layouts], lm.dtype)
+    after_shapes = choice.plan.shapes
+    after = model_stats(pruned, after_shapes, lm.dtype)
+    if choice.layout == "masked":
+        after["query_heads"] = before["query_heads"] - len(heads)
+    stats = {"before": before, "after": after}
+    del pruned
+
+    # 4. Card, then the manifest last: its presence with verified=true marks a complete export.
+    meta = {
+        "format": "prune-heads/1",
+        "prune_heads_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source_model": {**lm.source.to_json(), **({"hub_id": lm.source.spec} if lm.source.kind == "hub" else {})},
+        "removed_heads": heads.to_json(),
+        "heads_removed": len(heads),
+        "scorer": info.get("scorer"),
+        "budget": info.get("budget"),
+        "layout": choice.layout,
+        "layout_reason": choice.reason,
+        "layout_options": choice.options,
+        "plan": choice.plan.to_json(),
+        "stats": stats,
+        "verification": verification,
+        "mmlu": mmlu,
+        "warnings": info.get("warnings", []),
+        "dtype": str(lm.dtype).replace("torch.", ""),
+    }
+    write_text(out / "README.md", model_card(meta))
+    meta["files"] = {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    meta["verified"] = True
+    write_json(out / MANIFEST, meta)
+    return ExportResult(choice, stats, verification, mmlu, meta)
+
+
+@torch.no_grad()
+def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedMMLU | None, progress: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    trust = choice.layout == "per-layer"  # our own modelling file, written a moment ago
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=lm.dtype, trust_remote_code=trust).to(lm.device).eval()
+    ids = sample_prompts(lm, enc).to(lm.device)
+    with ablate(lm, choice.plan):
+        expected = lm.model(input_ids=ids).logits.float()
+    got = reloaded(input_ids=ids).logits.float()
+    diff = float((got - expected).abs().max())
+    tol = LOGIT_TOLERANCE.get(lm.dtype, 1e-4)
+    result = {"max_abs_logit_diff": diff, "tolerance": tol, "prompts": int(ids.shape[0]), "tokens_per_prompt": int(ids.shape[1]),
+              "dtype": str(lm.dtype).replace("torch.", ""), "argmax_agreement": float((got.argmax(-1) == expected.argmax(-1)).double().mean())}
+    if not diff <= tol:
+        raise RuntimeError(f"the exported model in {out} does not reproduce the verified ablated model: max |logit diff| "
+                           f"{diff:.3g} > {tol:g}; nothing was published (please report this as a bug)")
+    result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source, lm.dtype, lm.device)
+    return result
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a complete, verified export, or a UserError saying what is wrong."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{directory} is not a prune-heads export (no {MANIFEST}); export one with prune-heads or prune-heads export")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{path} is corrupt; export the model again") from None
+    if not meta.get("verified"):
+        raise UserError(f"{directory} was not verified; export it again")
+    for name, digest in (meta.get("files") or {}).items():
+        f = Path(directory) / name
+        if not f.is_file():
+            raise UserError(f"{directory} is incomplete: {name} is missing; export the model again")
+        if _sha256(f) != digest:
+            raise UserError(f"{directory} was modified after export: {name} does not match its recorded sha256; export again")
+    return meta
