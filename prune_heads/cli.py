@@ -69,6 +69,14 @@ def common_options(f):
     return wrapper
 
 
+def export_options(f):
+    f = click.option("--max-shard-size", default="2GB", show_default=True, help="Largest safetensors shard (e.g. 500MB, 5GB).")(f)
+    f = click.option("--layout", type=click.Choice(["auto", "uniform", "per-layer", "masked"]), default="auto", show_default=True,
+                     help="uniform: same head counts in every layer (stock config); per-layer: per_layer_config + a small "
+                          "modelling file (trust_remote_code); masked: original shapes, removed heads zeroed.")(f)
+    return f
+
+
 def _settings(kw: dict, **extra):
     from .pipeline import resolve_settings
 
@@ -98,9 +106,16 @@ def _settings(kw: dict, **extra):
 @common_options
 @click.option("--budget", "-b", help="Max MMLU accuracy drop in points: 1%, 0.5 or 2pt (recipe default 1%).")
 @click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
+@export_options
+@click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
+              help="exact: keep the selection, copy KV heads so groups stay equal; balanced: remove the same number "
+                   "of heads from every KV group (re-verified against the budget).")
+@click.option("--no-export", is_flag=True, help="Stop after the search: report and heads.json, no pruned model.")
+@click.option("--push-to", metavar="REPO", help="After a verified export, push it to this Hub repo (user/name).")
+@click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, scorer, **kw):
+def cli(ctx: click.Context, budget, scorer, layout, max_shard_size, gqa, no_export, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     within --budget, and write the report, heads.json and plots to --out.
 
@@ -112,8 +127,15 @@ def cli(ctx: click.Context, budget, scorer, **kw):
         return
     from .pipeline import run_prune
 
-    settings = _settings(kw, budget=budget, scorer=scorer)
+    settings = _settings(kw, budget=budget, scorer=scorer, layout=layout, max_shard_size=max_shard_size, gqa=gqa,
+                         export=not no_export)
     run_prune(settings, kw["out"], kw["force"])
+    if push_to:
+        if no_export:
+            raise UserError("--push-to needs an export; drop --no-export")
+        from exporters.hub import push_export
+
+        push_export(kw["out"], push_to, private=private, log=lambda m: click.secho(m, err=True, fg="green"))
 
 
 @cli.command()
@@ -134,6 +156,34 @@ def eval_cmd(ablate, **kw):
 
     heads = HeadSet.load(ablate) if ablate else None
     run_eval(_settings(kw), kw["out"], kw["force"], heads)
+
+
+@cli.command(name="export")
+@common_options
+@export_options
+@click.option("--heads", "heads_file", required=True, type=click.Path(dir_okay=False), help="heads.json: {layer: [head, ...]} to remove.")
+@click.option("--no-mmlu", is_flag=True, help="Verify logits only, skip the MMLU evaluations.")
+def export_cmd(heads_file, layout, max_shard_size, no_mmlu, **kw):
+    """Remove a given head set (no search), write the smaller model to --out and verify it."""
+    from .pipeline import run_export
+
+    heads = HeadSet.load(heads_file)
+    run_export(_settings(kw, layout=layout, max_shard_size=max_shard_size), heads, kw["out"], kw["force"], not no_mmlu)
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--repo-id", required=True, help="Hub repo, user/name (created if missing).")
+@click.option("--private", is_flag=True, help="Create the repo private.")
+@click.option("--revision", help="Branch to push to (created if missing; default main).")
+@click.option("--commit-message", help="Commit message (default: what was removed, from prune_heads.json).")
+@click.option("--force", is_flag=True, help="Overwrite files the repo already has.")
+def push(directory, repo_id, private, revision, commit_message, force):
+    """Publish a complete, verified export (token from HF_TOKEN or the cached login; never printed)."""
+    from exporters.hub import push_export
+
+    push_export(directory, repo_id, private, revision, commit_message, force,
+                log=lambda m: click.secho(m, err=True, fg="green"))
 
 
 def main(argv: list[str] | None = None) -> None:

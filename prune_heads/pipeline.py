@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Callable
 
 import click
+import torch
 
 from . import plots
 from .data.calibration import load_calibration
 from .data.mmlu import MMLUData, load_mmlu
 from .errors import UserError
 from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, evaluate, paired_delta
-from .fileio import prepare_output_dir, write_json
+from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
 from .recipes import Recipe, load_recipe, recipe_for
@@ -46,6 +47,10 @@ class Settings:
     allow_pickle: bool = False
     revision: str | None = None
     progress: bool = True
+    layout: str = "auto"  # export layout: auto | uniform | per-layer | masked
+    gqa: str = "exact"  # exact: keep the selection, copy KV heads as needed | balanced: same count removed per group
+    max_shard_size: str = "2GB"
+    export: bool = True
     _loaded: dict = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
@@ -141,20 +146,28 @@ def scores_payload(table: ScoreTable, settings: Settings, calibration: str) -> d
 
 
 def run_score(settings: Settings, out: Path, force: bool) -> dict:
-    out = prepare_output_dir(out, force)
+    with StagedDirectory(out, force) as stage:
+        return _score(settings, stage.path, Path(out))
+
+
+def _score(settings: Settings, stage: Path, out: Path) -> dict:
     lm = load(settings)
     enc = None if settings.calibration else encode_mmlu(lm, load_questions(settings))
     seqs, calib = calibration_sequences(lm, settings, enc)
     table = score_heads(lm, seqs, settings.batch_size, settings.progress)
     payload = {"model": lm.source.to_json(), "recipe": settings.recipe.to_json(), "settings": settings.to_json(),
                "versions": versions(), **scores_payload(table, settings, calib)}
-    write_json(out / "scores.json", payload)
+    write_json(stage / "scores.json", payload)
     echo(f"scored {len(table.token_counts)} inputs ({sum(table.token_counts)} tokens): {out / 'scores.json'}", fg="green")
     return payload
 
 
 def run_eval(settings: Settings, out: Path, force: bool, heads: HeadSet | None) -> EvalResult:
-    out = prepare_output_dir(out, force)
+    with StagedDirectory(out, force) as stage:
+        return _eval(settings, stage.path, Path(out), heads)
+
+
+def _eval(settings: Settings, stage: Path, out: Path, heads: HeadSet | None) -> EvalResult:
     lm = load(settings)
     data = load_questions(settings)
     enc = encode_mmlu(lm, data)
@@ -169,7 +182,7 @@ def run_eval(settings: Settings, out: Path, force: bool, heads: HeadSet | None) 
         summary["paired_delta"] = paired_delta(result, baseline).to_json()
         warning = warn_chance(baseline)
     summary["warnings"] = [warning] if warning else []
-    write_eval_outputs(out, result, summary)
+    write_eval_outputs(stage, result, summary)
     echo(f"MMLU accuracy {100 * result.accuracy:.2f}% on {len(result.questions)} questions: {out / 'mmlu.jsonl'}", fg="green")
     return result
 
@@ -189,8 +202,25 @@ class PruneRun:
 
 
 def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
+    """The main job. Everything is written into a staging directory beside ``out`` and renamed into place
+    only once the export has been reloaded and verified."""
+    with StagedDirectory(out, force) as stage:
+        return _prune(settings, stage.path, Path(out))
+
+
+def verification_target(lm: LoadedModel, heads: HeadSet, layout: str):
+    """What the ablation must zero to compute exactly what the export will ship: the heads themselves, or for
+    families whose q/k norms span all heads (OLMo-2), the export plan."""
+    if lm.adapter.qk_norm != "across_heads" or not heads:
+        return heads
+    from exporters.layouts import choose_layout
+
+    layouts = lm.adapter.layouts(lm.model)
+    return choose_layout(layout, heads, layouts, lm.adapter, lm.config, torch.finfo(lm.dtype).bits // 8).plan
+
+
+def _prune(settings: Settings, stage: Path, out: Path) -> PruneRun:
     started = time.time()
-    out = prepare_output_dir(out, force)
     budget = Budget.parse(settings.budget)
     lm = load(settings)
     data = load_questions(settings)
@@ -204,7 +234,8 @@ def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
     scores = score_heads(lm, seqs, settings.batch_size, settings.progress)
 
     def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
-        return evaluate(lm, enc, heads, settings.batch_size, settings.progress, label=label)
+        target = verification_target(lm, heads, settings.layout if settings.export else "masked")
+        return evaluate(lm, enc, target, settings.batch_size, settings.progress, label=label)
 
     baseline = evaluate_heads(HeadSet(), "unablated")
     warning = warn_chance(baseline)
@@ -220,7 +251,10 @@ def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
     search = search_budget(ranking, evaluate_heads, baseline, budget, settings.grid, settings.patience,
                            settings.refine_steps, on_point)
     best = search.best
-    points = [dict(p.to_json(), chosen=p is best) for p in search.curve()]
+    chosen, chosen_result, chosen_delta = best.heads, best.result, best.delta
+    if settings.gqa == "balanced" and chosen:
+        chosen, chosen_result, chosen_delta = balance_groups(lm, scores, settings, chosen, evaluate_heads, baseline, budget, search)
+    points = [dict(p.to_json(), chosen=p.heads == chosen) for p in search.curve()]
     total = len(ranking)
     report = {
         "model": lm.source.to_json(),
@@ -238,20 +272,79 @@ def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
         "scorer": settings.scorer,
         **scores_payload(scores, settings, calib),
         "baseline": accuracy_summary(baseline),
-        "final": {**accuracy_summary(best.result),
-                  **best.delta.to_json(), "num_heads_removed": best.num_heads, "fraction_removed": round(best.num_heads / total, 6)},
+        "final": {**accuracy_summary(chosen_result),
+                  **chosen_delta.to_json(), "num_heads_removed": len(chosen), "fraction_removed": round(len(chosen) / total, 6),
+                  "gqa": settings.gqa},
         "points": points,
-        "heads": best.heads.to_json(),
+        "heads": chosen.to_json(),
         "warnings": [w for w in [warning] if w],
         "seconds": round(time.time() - started, 1),
     }
-    write_json(out / "heads.json", best.heads.to_json())
-    plots.score_heatmap(scores.mean(settings.scorer), settings.scorer, best.heads, out / "scores_heatmap.png",
-                        f"{lm.source.spec}: {settings.scorer} (red: {best.num_heads} removed heads)")
-    plots.search_curve(points, baseline.accuracy, budget.points, out / "accuracy_vs_heads.png",
+    echo(f"{len(chosen)} of {total} heads ({100 * len(chosen) / total:.1f}%) are within a {budget} budget "
+         f"(delta {chosen_delta.delta:+.2f} pt, 95% CI [{chosen_delta.ci_low:+.2f}, {chosen_delta.ci_high:+.2f}])", fg="green")
+    write_json(stage / "heads.json", chosen.to_json())
+    plots.score_heatmap(scores.mean(settings.scorer), settings.scorer, chosen, stage / "scores_heatmap.png",
+                        f"{lm.source.spec}: {settings.scorer} (red: {len(chosen)} removed heads)")
+    plots.search_curve(points, baseline.accuracy, budget.points, stage / "accuracy_vs_heads.png",
                        f"{lm.source.spec}: MMLU vs heads ablated by {settings.scorer}")
-    write_json(out / "report.json", report)
-    echo(f"{best.num_heads} of {total} heads ({100 * best.num_heads / total:.1f}%) are within a {budget} budget "
-         f"(delta {best.delta.delta:+.2f} pt, 95% CI [{best.delta.ci_low:+.2f}, {best.delta.ci_high:+.2f}]); "
-         f"report: {out / 'report.json'}", fg="green")
-    return PruneRun(lm, settings, scores, baseline, best.heads, report, enc, evaluate_heads)
+    if settings.export:
+        from exporters.export import export_pruned
+
+        result = export_pruned(lm, chosen, stage, settings.layout, settings.max_shard_size, enc, baseline, chosen_result,
+                               {"scorer": settings.scorer, "budget": settings.budget, "warnings": report["warnings"]},
+                               settings.batch_size, settings.progress, log=echo)
+        report["export"] = {"layout": result.choice.layout, "reason": result.choice.reason, "options": result.choice.options,
+                            "stats": result.stats, "verification": result.verification, "mmlu": result.mmlu}
+    report["seconds"] = round(time.time() - started, 1)
+    write_json(stage / "report.json", report)
+    what = "pruned model, report" if settings.export else "report"
+    echo(f"{what}: {out}", fg="green")
+    return PruneRun(lm, settings, scores, baseline, chosen, report, enc, evaluate_heads)
+
+
+def balance_groups(lm, scores, settings, heads, evaluate_heads, baseline, budget, search):
+    """--gqa balanced: the same number of heads removed from every KV group of a layer (stock GQA shapes with no
+    KV copies), chosen by score, re-verified; while over budget, the layer removing the most gives one back."""
+    from .pruning import balanced_selection
+
+    layouts = lm.adapter.layouts(lm.model)
+    per_layer = {i: len(heads.heads(i)) // lay.num_kv_heads for i, lay in enumerate(layouts)}
+    dormant_low = score_direction(settings.scorer) == "low"
+    while True:
+        selection = balanced_selection(heads, layouts, scores.mean(settings.scorer), dormant_low, per_layer)
+        result = evaluate_heads(selection, f"balanced {len(selection)} heads")
+        delta = paired_delta(result, baseline)
+        ok = budget.allows(delta)
+        echo(f"  balanced selection: {len(selection)} heads, delta {delta.delta:+.2f} pt ({'within' if ok else 'over'} budget)")
+        from .search import SearchPoint
+
+        search.points.append(SearchPoint(len(selection), len(selection) / sum(lay.num_heads for lay in layouts),
+                                         selection, result.accuracy, delta, ok, "balanced", result))
+        if ok or not selection:
+            return selection, result, delta
+        worst = max(per_layer, key=lambda i: per_layer[i])
+        per_layer[worst] -= 1
+
+
+def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_mmlu: bool = True):
+    """``prune-heads export``: a given head set, no search. Verifies logits, and MMLU unless ``with_mmlu`` is off."""
+    from exporters.export import export_pruned
+
+    with StagedDirectory(out, force) as stage:
+        lm = load(settings)
+        layouts = lm.adapter.layouts(lm.model)
+        heads.validate(len(layouts), [lay.num_heads for lay in layouts])
+        enc = baseline = ablated = None
+        warnings = []
+        if with_mmlu:
+            enc = encode_mmlu(lm, load_questions(settings))
+            baseline = evaluate(lm, enc, None, settings.batch_size, settings.progress, label="unablated")
+            warnings = [w for w in [warn_chance(baseline)] if w]
+            ablated = evaluate(lm, enc, verification_target(lm, heads, settings.layout), settings.batch_size,
+                               settings.progress, label="ablated")
+        result = export_pruned(lm, heads, stage.path, settings.layout, settings.max_shard_size, enc, baseline, ablated,
+                               {"scorer": None, "budget": None, "warnings": warnings}, settings.batch_size,
+                               settings.progress, log=echo)
+        write_json(stage.path / "heads.json", heads.to_json())
+    echo(f"exported {len(heads)} removed heads ({result.choice.layout} layout): {out}", fg="green")
+    return result

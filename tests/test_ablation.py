@@ -48,8 +48,8 @@ def test_per_row_mask_ablates_each_row_independently():
     with ablate(lm, heads):
         static = logits(lm)
     plain = logits(lm)
-    mask = torch.ones(2, 3, 6)
-    mask[0] = heads.mask(3, 6)
+    mask = torch.ones(2, 4, 6)
+    mask[0] = heads.mask(4, 6)
     with ablate(lm, mask):
         both = logits(lm, IDS.repeat(2, 1))
     assert torch.allclose(both[0], static[0], atol=1e-6)

@@ -45,7 +45,7 @@ def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):
     assert report["final"]["num_heads_removed"] == len(heads)
     assert report["budget"]["points"] == 2.0 and report["scorer"] == "ahon_ln"
     assert report["recipe"]["name"] == "llama3"
-    assert set(report["scores"]) >= {"awft", "ahon_ln", "lthon_hn"} and len(report["scores"]["ahon"]) == 3
+    assert set(report["scores"]) >= {"awft", "ahon_ln", "lthon_hn"} and len(report["scores"]["ahon"]) == 4
     assert report["mmlu"]["questions"] == 12 and report["mmlu"]["fast_path_questions"] == 12
     assert report["points"][0]["num_heads"] == 0 and any(p["chosen"] for p in report["points"])
     chosen = [p for p in report["points"] if p["chosen"]][0]

@@ -93,7 +93,7 @@ def test_dynamic_masks_group_by_question_and_match_reference(tmp_path):
     lm = tiny_model("llama")
     enc = encode_mmlu(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=8))))
     n = len(enc)
-    masks = torch.ones(n, 3, 6)
+    masks = torch.ones(n, 4, 6)
     for i in range(n):
         masks[i, i % 3, i % 6] = 0  # a different head per question
     fast = evaluate(lm, enc, masks, batch_size=4, progress=False)

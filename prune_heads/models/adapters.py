@@ -132,9 +132,12 @@ def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head
         for i, (h, kv) in enumerate(shapes):
             per_layer[i] = {"skip": ["self_attn"]} if h == 0 else {"num_attention_heads": h, "num_key_value_heads": kv}
         d["per_layer_config"] = per_layer
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
     try:
         return config_class(**d)
-    except (ValueError, TypeError, RuntimeError):  # RuntimeError: validators that read per-layer fields globally
+    # RuntimeError: validators that read per-layer fields globally (AmbiguousGlobalPerLayerAttributeError)
+    except (ValueError, TypeError, RuntimeError, StrictDataclassClassValidationError):
         return None
 
 

@@ -1,0 +1,195 @@
+"""Physical pruning equals the masked model for every family, and every export reloads with transformers and
+gives the same logits."""
+import json
+
+import pytest
+import torch
+
+from exporters.export import MANIFEST, export_pruned, read_manifest
+from exporters.layouts import choose_layout
+from prune_heads.ablation import ablate
+from prune_heads.errors import UserError
+from prune_heads.heads import HeadSet
+from prune_heads.pruning import balanced_selection, plan_exact, plan_masked, plan_uniform, pruned_copy
+from tiny import FAMILIES, tiny_model
+
+IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
+# Layer 0: uneven groups (one head gone from group 0, two from group 1); layer 1: nothing removed;
+# layer 2: every head of KV group 0; layer 3: every head of the layer.
+UNEVEN = HeadSet.of({0: [0, 3, 4], 2: [0, 1, 2], 3: [0, 1, 2, 3, 4, 5]})
+EVEN = HeadSet.of({0: [0, 3], 1: [1, 4], 2: [2, 5], 3: [0, 3]})  # one head per group in every layer: uniform (4, 2)
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def expected_param_drop(lm, plan) -> int:
+    """Rows of q/k/v (+ biases, + cross-head norm weights) and columns of o_proj that the plan removes."""
+    drop = 0
+    hidden = lm.config.hidden_size
+    for i, lp in enumerate(plan.layers):
+        attn = lm.adapter.attention(lm.model, i)
+        d = lp.layout.head_dim
+        q_w, q_b, k_w, k_b, v_w, v_b = lm.adapter.qkv_weights(attn)
+        dq = (lp.layout.num_heads - lp.num_heads) * d
+        dkv = (lp.layout.num_kv_heads - lp.num_kv_heads) * d
+        drop += dq * hidden * 2 + dkv * hidden * 2
+        drop += (dq if q_b is not None else 0) + (2 * dkv if k_b is not None else 0)
+        if lm.adapter.qk_norm == "across_heads":
+            drop += dq + dkv
+        if not lp.slots:
+            drop += sum(p.numel() for n, p in attn.named_parameters() if "norm" in n and lm.adapter.qk_norm == "per_head")
+    return drop
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("heads", [UNEVEN, EVEN], ids=["uneven", "even"])
+def test_pruned_logits_equal_masked_model_and_parameters_drop_exactly(family, heads):
+    lm = tiny_model(family)
+    layouts = lm.adapter.layouts(lm.model)
+    for make in (plan_exact, plan_uniform, plan_masked):
+        plan = make(heads, layouts)
+        with ablate(lm, plan):
+            reference = logits(lm.model)
+        pruned = pruned_copy(lm.model, lm.adapter, plan)
+        assert torch.allclose(logits(pruned), reference, atol=1e-5), (family, plan.kind)
+        before = sum(p.numel() for p in lm.model.parameters())
+        after = sum(p.numel() for p in pruned.parameters())
+        assert before - after == expected_param_drop(lm, plan), (family, plan.kind)
+    assert plan_exact(EVEN, layouts).shapes == [(4, 2)] * 4
+
+
+def test_exact_plan_copies_kv_heads_to_equalise_uneven_groups():
+    lm = tiny_model("llama")
+    plan = plan_exact(UNEVEN, lm.adapter.layouts(lm.model))
+    # layer 0 keeps heads 1, 2 of group 0 and 5 of group 1: group size gcd(2, 1) = 1, KV head 0 copied twice.
+    assert plan.layers[0].slots == (1, 2, 5) and plan.layers[0].kv_slots == (0, 0, 1)
+    assert plan.layers[1].is_identity
+    assert plan.layers[2].slots == (3, 4, 5) and plan.layers[2].kv_slots == (1,)
+    assert plan.layers[3].slots == () and plan.layers[3].kv_slots == ()
+    uniform = plan_uniform(UNEVEN, lm.adapter.layouts(lm.model))
+    assert uniform.is_uniform and uniform.shapes == [(6, 2)] * 4  # layer 1 keeps everything
+
+
+def test_olmo2_verification_ablation_includes_the_norm_change():
+    """OLMo-2's q/k norms span all heads: plain head ablation is not what the pruned model computes; the plan's is."""
+    lm = tiny_model("olmo2")
+    plan = plan_exact(UNEVEN, lm.adapter.layouts(lm.model))
+    pruned = logits(pruned_copy(lm.model, lm.adapter, plan))
+    with ablate(lm, UNEVEN):
+        plain = logits(lm.model)
+    with ablate(lm, plan):
+        planned = logits(lm.model)
+    assert (plain - pruned).abs().max() > 1e-3
+    assert torch.allclose(planned, pruned, atol=1e-5)
+
+
+def test_balanced_selection_removes_the_same_number_per_group():
+    lm = tiny_model("llama")
+    layouts = lm.adapter.layouts(lm.model)
+    scores = torch.arange(24, dtype=torch.float32).view(4, 6)
+    sel = balanced_selection(UNEVEN, layouts, scores, dormant_low=True)
+    for i, lay in enumerate(layouts):
+        per_group = [sum(1 for h in sel.heads(i) if lay.kv_head_of(h) == k) for k in range(lay.num_kv_heads)]
+        assert len(set(per_group)) == 1
+    assert sel.heads(0) == (0, 3) and sel.heads(3) == (0, 1, 2, 3, 4, 5) and sel.heads(1) == ()
+    assert plan_exact(sel, layouts).layers[0].kv_slots == (0, 1)  # no KV copies needed
+
+
+EXPRESSIBLE = {  # which layouts each family's config can express for the uneven selection
+    "llama": ("uniform", "per-layer", "masked"), "mistral": ("uniform", "per-layer", "masked"),
+    "qwen2": ("uniform", "per-layer", "masked"), "qwen3": ("uniform", "per-layer", "masked"),
+    "olmo2": ("uniform", "per-layer", "masked"), "gemma2": ("uniform", "masked"),
+    "gemma3_text": ("uniform", "masked"), "phi3": ("uniform", "masked"),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lm = tiny_model(family)
+    for layout in ("auto", "uniform", "per-layer", "masked"):
+        out = tmp_path / layout
+        out.mkdir()
+        if layout != "auto" and layout not in EXPRESSIBLE[family]:
+            with pytest.raises(UserError, match="cannot carry per_layer_config"):
+                export_pruned(lm, UNEVEN, out, layout=layout, log=lambda *a: None, progress=False)
+            continue
+        result = export_pruned(lm, UNEVEN, out, layout=layout, log=lambda *a: None, progress=False)
+        cfg = json.loads((out / "config.json").read_text())
+        assert "quantization_config" not in cfg
+        trust = result.choice.layout == "per-layer"
+        assert ("auto_map" in cfg) == trust and ("per_layer_config" in cfg) == trust
+        reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=trust)
+        with ablate(lm, result.choice.plan):
+            reference = logits(lm.model)
+        assert torch.allclose(logits(reloaded), reference, atol=1e-5), (family, layout)
+        n_params = sum(p.numel() for p in reloaded.parameters())
+        assert n_params == result.stats["after"]["parameters"]
+        if result.choice.layout == "per-layer":
+            assert n_params < result.stats["before"]["parameters"]
+            assert cfg["per_layer_config"]["3"] == {"skip": ["self_attn"]}
+        if result.choice.layout == "masked":
+            assert n_params == result.stats["before"]["parameters"]
+        meta = read_manifest(out)
+        assert meta["removed_heads"] == UNEVEN.to_json() and meta["layout"] == result.choice.layout
+        card = (out / "README.md").read_text()
+        assert card.startswith("---\nbase_model:") and "attention-head-pruning" in card and "library_name: transformers" in card
+
+
+def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_mistral(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lm = tiny_model("llama")  # hidden 96; 5 heads per layer: 96 % 5 != 0
+    heads = HeadSet.of({i: [5] for i in range(4)})  # groups keep (3, 2): exact plan copies KV heads to 5 x (1 query, 1 KV)
+    result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
+    assert result.choice.layout == "uniform" and result.choice.plan.shapes == [(5, 5)] * 4
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "mistral" and cfg["num_attention_heads"] == 5 and cfg["num_key_value_heads"] == 5 and cfg["architectures"] == ["MistralForCausalLM"]
+    assert cfg["sliding_window"] is None and cfg["head_dim"] == 16
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(reloaded).__name__ == "MistralForCausalLM"
+    with ablate(lm, result.choice.plan):
+        assert torch.allclose(logits(reloaded), logits(lm.model), atol=1e-5)
+
+
+def test_sharded_export_has_an_index_and_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lm = tiny_model("qwen2")
+    export_pruned(lm, EVEN, tmp_path, layout="auto", max_shard_size="100KB", log=lambda *a: None, progress=False)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with ablate(lm, HeadSet.of(EVEN.as_dict())):
+        assert torch.allclose(logits(reloaded), logits(lm.model), atol=1e-5)
+
+
+def test_auto_layout_picks_uniform_only_when_nothing_is_left_on_the_table():
+    lm = tiny_model("qwen2")
+    layouts = lm.adapter.layouts(lm.model)
+    even = choose_layout("auto", EVEN, layouts, lm.adapter, lm.config, 4)
+    assert even.layout == "uniform" and "stock config" in even.reason
+    uneven = choose_layout("auto", UNEVEN, layouts, lm.adapter, lm.config, 4)
+    assert uneven.layout == "per-layer" and "different head counts" in uneven.reason
+    opts = uneven.options
+    assert opts["per-layer"]["attention_params"] < opts["uniform"]["attention_params"] <= opts["masked"]["attention_params"]
+    assert opts["per-layer"]["kv_cache_bytes_per_token"] == 4 * 2 * 16 * (3 + 2 + 1 + 0)
+
+
+def test_manifest_guards_incomplete_or_modified_exports(tmp_path):
+    lm = tiny_model("llama")
+    export_pruned(lm, EVEN, tmp_path, log=lambda *a: None, progress=False)
+    read_manifest(tmp_path)
+    (tmp_path / "README.md").write_text("edited")
+    with pytest.raises(UserError, match="modified after export"):
+        read_manifest(tmp_path)
+    (tmp_path / "README.md").unlink()
+    with pytest.raises(UserError, match="incomplete"):
+        read_manifest(tmp_path)
+    (tmp_path / MANIFEST).unlink()
+    with pytest.raises(UserError, match="not a prune-heads export"):
+        read_manifest(tmp_path)
