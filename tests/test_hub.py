@@ -1,0 +1,88 @@
+"""Push round trip against a Hub-compatible server on 127.0.0.1, through the real huggingface_hub upload and
+transformers from_pretrained code paths (in subprocesses, so HF_ENDPOINT is set before huggingface_hub loads)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from exporters.export import MANIFEST, export_pruned
+from hub_server import HubServer
+from prune_heads.heads import HeadSet
+from tiny import tiny_model
+
+HEADS = HeadSet.of({0: [0, 3], 1: [1, 4], 2: [2, 5], 3: [0, 3]})
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("export")
+    export_pruned(tiny_model("llama"), HEADS, d, log=lambda *a: None, progress=False)
+    return d
+
+
+@pytest.fixture()
+def hub(tmp_path):
+    with HubServer() as server:
+        env = {**os.environ, "HF_ENDPOINT": server.url, "HF_TOKEN": server.state.token, "HF_HOME": str(tmp_path / "hf"),
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1"}
+        yield server, env
+
+
+def run(args, env):
+    return subprocess.run([sys.executable, "-m", "prune_heads.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+RELOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], revision=sys.argv[2])
+ids = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61]])
+torch.save(m(input_ids=ids).logits, sys.argv[3])
+"""
+
+
+def test_push_round_trip_files_and_logits(export_dir, hub, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    server, env = hub
+    proc = run(["push", export_dir, "--repo-id", "user/pruned-tiny", "--revision", "v1"], env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    token = server.state.token
+    assert token not in proc.stdout + proc.stderr
+    assert all(token not in p.read_text(errors="ignore") for p in export_dir.iterdir() if p.is_file())
+    assert f"Bearer {token}" in server.state.auth_headers_seen
+    files = server.state.repos["user/pruned-tiny"]["branches"]["v1"]["files"]
+    local = {p.name: p.read_bytes() for p in export_dir.iterdir() if p.is_file()}
+    assert set(files) == set(local) and all(files[k] == local[k] for k in local)
+    assert "heads removed" in server.state.commits[-1]["summary"]
+
+    out = tmp_path / "logits.pt"
+    proc = subprocess.run([sys.executable, "-c", RELOAD, "user/pruned-tiny", "v1", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    local_model = AutoModelForCausalLM.from_pretrained(export_dir)
+    with torch.no_grad():
+        expected = local_model(input_ids=torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61]])).logits
+    assert torch.equal(torch.load(out), expected)
+
+
+def test_push_refuses_to_overwrite_without_force_and_bad_dirs_and_tokens(export_dir, hub, tmp_path):
+    server, env = hub
+    assert run(["push", export_dir, "--repo-id", "user/r"], env).returncode == 0
+    proc = run(["push", export_dir, "--repo-id", "user/r"], env)
+    assert proc.returncode == 2 and "already has files" in proc.stderr and "--force" in proc.stderr
+    assert run(["push", export_dir, "--repo-id", "user/r", "--force"], env).returncode == 0
+
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("{}")
+    proc = run(["push", incomplete, "--repo-id", "user/x"], env)
+    assert proc.returncode == 2 and f"no {MANIFEST}" in proc.stderr
+
+    proc = run(["push", export_dir, "--repo-id", "user/y"], {**env, "HF_TOKEN": "hf_wrong_token_value"})
+    assert proc.returncode == 2 and "HTTP 401" in proc.stderr and "HF_TOKEN" in proc.stderr
+    assert "hf_wrong_token_value" not in proc.stderr + proc.stdout
+    assert "user/y" not in server.state.repos
