@@ -31,7 +31,9 @@ from .layouts import LayoutChoice, choose_layout
 
 MANIFEST = "prune_heads.json"
 TEMPLATE = Path(__file__).parent / "templates" / "modeling_pruned.py"
-LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}
+# Relative to the largest |logit|: the pruned model runs the same arithmetic on fewer heads, but kernels pick
+# other blockings for other shapes, so float32 differs in the last bits (~1e-5 relative after 30 layers).
+LOGIT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
 
 @dataclass
@@ -203,8 +205,8 @@ def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: Encoded
         expected = lm.model(input_ids=ids).logits.float()
     got = reloaded(input_ids=ids).logits.float()
     diff = float((got - expected).abs().max())
-    tol = LOGIT_TOLERANCE.get(lm.dtype, 1e-4)
-    result = {"max_abs_logit_diff": diff, "tolerance": tol, "prompts": int(ids.shape[0]), "tokens_per_prompt": int(ids.shape[1]),
+    tol = LOGIT_RTOL.get(lm.dtype, 1e-4) * max(1.0, float(expected.abs().max()))
+    result = {"max_abs_logit_diff": diff, "tolerance": round(tol, 6), "prompts": int(ids.shape[0]), "tokens_per_prompt": int(ids.shape[1]),
               "dtype": str(lm.dtype).replace("torch.", ""), "argmax_agreement": float((got.argmax(-1) == expected.argmax(-1)).double().mean())}
     if not diff <= tol:
         raise RuntimeError(f"the exported model in {out} does not reproduce the verified ablated model: max |logit diff| "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import ArchAdapter, AttentionLayout
-from prune_heads.pruning import LayerPlan, PrunePlan, plan_exact, plan_masked, plan_uniform
+from prune_heads.pruning import PrunePlan, plan_exact, plan_masked, plan_uniform
 
 LAYOUTS = ("auto", "uniform", "per-layer", "masked")
 
@@ -25,26 +25,9 @@ class LayoutChoice:
     options: dict  # layout -> cost summary
 
 
-def _pad_layer(lp: LayerPlan, valid) -> LayerPlan:
-    """Add dummy KV groups (zero heads reading KV head 0) until the config accepts the head count; fall back to
-    the original shape with the removed heads masked."""
-    if not lp.slots or valid(lp.num_heads):
-        return lp
-    g = lp.num_heads // lp.num_kv_heads
-    slots, kv = list(lp.slots), list(lp.kv_slots)
-    while len(slots) < lp.layout.num_heads:
-        slots += [None] * g
-        kv.append(0)
-        if valid(len(slots)):
-            return LayerPlan(lp.layout, tuple(slots), tuple(kv))
-    removed = frozenset(range(lp.layout.num_heads)) - frozenset(h for h in lp.slots if h is not None)
-    return LayerPlan(lp.layout, tuple(range(lp.layout.num_heads)), tuple(range(lp.layout.num_kv_heads)), removed)
-
-
 def exact_plan(heads: HeadSet, layouts: list[AttentionLayout], adapter: ArchAdapter, config) -> PrunePlan:
-    plan = plan_exact(heads, layouts)
-    valid = lambda h: adapter.valid_num_heads(config, h)  # noqa: E731
-    return PrunePlan(tuple(_pad_layer(lp, valid) for lp in plan.layers), heads, "exact")
+    """The cheapest exact per-layer plan whose head counts this family's config accepts."""
+    return plan_exact(heads, layouts, lambda h: adapter.valid_num_heads(config, h))
 
 
 def costs(plan: PrunePlan, hidden_size: int, bytes_per_value: int) -> dict:
@@ -87,6 +70,9 @@ def choose_layout(layout: str, heads: HeadSet, layouts: list[AttentionLayout], a
         exact = PrunePlan(exact.layers, heads, "uniform")
         return LayoutChoice("uniform", exact, f"every layer keeps {exact.shapes[0][0]} query and {exact.shapes[0][1]} KV heads: "
                             "a stock config loads it, no remote code", options)
+    if uniform is not None and options["uniform"]["attention_params"] <= options["per-layer"]["attention_params"]:
+        return LayoutChoice("uniform", uniform, f"a uniform {uniform.shapes[0]} layout costs no more attention parameters "
+                            "than per-layer shapes here, and a stock config loads it, no remote code", options)
     if not per_layer_ok and uniform is not None:
         return LayoutChoice("uniform", uniform, f"layers keep different head counts, but the {config.model_type} config cannot "
                             f"carry per_layer_config; every layer is padded to {uniform.shapes[0]} with zero heads (exact)", options)

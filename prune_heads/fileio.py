@@ -20,12 +20,19 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are ordinary files
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -76,6 +83,7 @@ class StagedDirectory:
             old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
             os.rmdir(old)
             os.replace(self.out, old)
+        os.chmod(self.path, 0o777 & ~_umask())  # mkdtemp makes 0700
         os.replace(self.path, self.out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

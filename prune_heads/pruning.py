@@ -93,23 +93,52 @@ def _kept_by_group(layout: AttentionLayout, removed: Sequence[int]) -> list[list
             for k in range(layout.num_kv_heads)]
 
 
-def plan_exact(heads: HeadSet, layouts: Sequence[AttentionLayout]) -> PrunePlan:
-    """Per layer, the smallest exact layout: group size = gcd of the kept heads per group, KV heads copied as
-    needed. A layer losing every head keeps none (per-layer layout only)."""
+def _layer_plan(lay: AttentionLayout, groups: list[list[int]], g: int, k_total: int | None = None) -> LayerPlan:
+    """Kept heads placed ``g`` per KV slot (copies of their KV head as needed, zero dummies to fill a slot), padded
+    with dummy groups up to ``k_total`` KV slots."""
+    slots: list[int | None] = []
+    kv_slots: list[int] = []
+    for k, members in enumerate(groups):
+        for start in range(0, len(members), g):
+            chunk = members[start:start + g]
+            kv_slots.append(k)
+            slots += chunk + [None] * (g - len(chunk))
+    while k_total is not None and len(kv_slots) < k_total:
+        kv_slots.append(0)
+        slots += [None] * g
+    return LayerPlan(lay, tuple(slots), tuple(kv_slots))
+
+
+def _cost(num_heads: int, num_kv: int) -> tuple[int, int]:
+    """Attention weights per head_dim x hidden (q and o per query head, k and v per KV head); then KV cache."""
+    return (2 * num_heads + 2 * num_kv, num_kv)
+
+
+def plan_exact(heads: HeadSet, layouts: Sequence[AttentionLayout], valid_num_heads=lambda h: True) -> PrunePlan:
+    """Per layer, the cheapest exact shape for the kept heads: for each group size g', every KV head with n kept
+    query heads gets ceil(n / g') slots (copies of it), short slots are filled with zero dummy heads. g' = gcd
+    of the kept counts needs no dummies but may copy many KV heads; g' = the original group size copies none
+    but may keep dummies. The cheapest in attention parameters wins (then the smaller KV cache). A layer losing
+    every head keeps none (per-layer layout only)."""
     layers = []
     for i, lay in enumerate(layouts):
         groups = _kept_by_group(lay, heads.heads(i))
-        sizes = [len(g) for g in groups if g]
-        if not sizes:
+        if not any(groups):
             layers.append(LayerPlan(lay, (), ()))
             continue
-        g_new = math.gcd(*sizes)
-        slots, kv_slots = [], []
-        for k, members in enumerate(groups):
-            for start in range(0, len(members), g_new):
-                kv_slots.append(k)
-                slots += members[start:start + g_new]
-        layers.append(LayerPlan(lay, tuple(slots), tuple(kv_slots)))
+        best = None
+        for g in range(1, lay.group_size + 1):
+            k_new = _uniform_fits(groups, g)
+            if not valid_num_heads(k_new * g):
+                continue
+            key = (_cost(k_new * g, k_new), g)
+            if best is None or key < best[0]:
+                best = (key, g)
+        if best is None:  # no valid shape: keep the layer's shape, removed heads masked
+            gone = frozenset(heads.heads(i))
+            layers.append(LayerPlan(lay, tuple(range(lay.num_heads)), tuple(range(lay.num_kv_heads)), gone))
+            continue
+        layers.append(_layer_plan(lay, groups, best[1]))
     return PrunePlan(tuple(layers), heads, "exact")
 
 
@@ -130,23 +159,11 @@ def plan_uniform(heads: HeadSet, layouts: Sequence[AttentionLayout], valid_num_h
         k_new = max(1, max(_uniform_fits(groups, g) for groups in all_groups))
         while not valid_num_heads(k_new * g):
             k_new += 1
-        cost = 2 * k_new * g + 2 * k_new  # q+o rows per head, k+v rows per KV head (same head_dim)
+        cost = _cost(k_new * g, k_new)
         if best is None or cost < best[0]:
             best = (cost, g, k_new)
     _, g, k_new = best
-    layers = []
-    for lay, groups in zip(layouts, all_groups):
-        slots: list[int | None] = []
-        kv_slots: list[int] = []
-        for k, members in enumerate(groups):
-            for start in range(0, len(members), g):
-                chunk = members[start:start + g]
-                kv_slots.append(k)
-                slots += chunk + [None] * (g - len(chunk))
-        while len(kv_slots) < k_new:  # pad with dummy groups reading KV head 0
-            kv_slots.append(0)
-            slots += [None] * g
-        layers.append(LayerPlan(lay, tuple(slots), tuple(kv_slots)))
+    layers = [_layer_plan(lay, groups, g, k_new) for lay, groups in zip(layouts, all_groups)]
     return PrunePlan(tuple(layers), heads, "uniform")
 
 

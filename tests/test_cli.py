@@ -153,3 +153,71 @@ def test_real_smollm2_end_to_end(tmp_path):
     # 6 questions cannot tell the model from chance: the run must say so.
     assert report["warnings"] and "chance" in report["warnings"][0] and "chance" in proc.stderr
     assert json.loads((out / "heads.json").read_text()) == report["heads"]
+
+
+def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(model_dir, mmlu_file, tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": [0, 3], "1": [1, 4], "2": [2, 5], "3": [0, 3]}))
+    out = tmp_path / "exported"
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", out, "--mmlu", mmlu_file,
+                            "--no-progress", "--mmlu-per-subject", "3"], capsys)
+    assert code == 0, err
+    meta = json.loads((out / "prune_heads.json").read_text())
+    assert meta["verified"] and meta["layout"] == "uniform" and meta["mmlu"]["n"] == 9
+    assert meta["mmlu"]["agreement_with_verified"] == 1.0
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_attention_heads == 4
+    assert oct((out / "config.json").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    # A run that fails half-way leaves no directory under the final name, and no staging directory behind.
+    import exporters.export as ex
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(ex, "verify_export", boom)
+    failed = tmp_path / "failed"
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        main(["export", "--model", str(model_dir), "--heads", str(heads), "--out", str(failed), "--no-mmlu", "--no-progress"])
+    assert not failed.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".failed.partial")]
+    # --force replaces a finished export only once the new one is complete.
+    monkeypatch.undo()
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", out, "--no-mmlu", "--no-progress",
+                            "--force", "--layout", "masked"], capsys)
+    assert code == 0, err
+    assert json.loads((out / "prune_heads.json").read_text())["layout"] == "masked"
+
+
+def _umask():
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+@pytest.mark.slow
+def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
+    """The real SmolLM2 (GGUF, dequantised): prune a fixed head set, export, reload with stock transformers, compare."""
+    from transformers import AutoModelForCausalLM
+
+    from exporters.export import export_pruned
+    from prune_heads.ablation import ablate
+    from prune_heads.models import load_model
+
+    lm = load_model("smollm2-135m", dtype="float32", device="cpu")
+    # One head from every KV group of layers 0-9: those keep 6 query x 3 KV heads, layers 10-29 keep 9 x 3, so the
+    # export is per-layer; LlamaConfig cannot carry per_layer_config, so it is written as the identical Mistral.
+    heads = HeadSet.of({i: [0, 3, 6] for i in range(10)})
+    result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
+    assert result.choice.layout == "per-layer"
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "mistral" and "quantization_config" not in cfg and cfg["per_layer_config"]["0"]["num_attention_heads"] == 6
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    ids = torch.tensor([lm.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
+    with torch.no_grad(), ablate(lm, result.choice.plan):
+        expected = lm.model(input_ids=ids).logits
+    with torch.no_grad():
+        got = reloaded(input_ids=ids).logits
+    assert (got - expected).abs().max() < 1e-3
+    assert result.stats["before"]["parameters"] - result.stats["after"]["parameters"] == 10 * 3 * 64 * 576 * 2
+    assert result.stats["after"]["kv_cache_bytes_per_token"] == result.stats["before"]["kv_cache_bytes_per_token"]

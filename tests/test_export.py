@@ -64,13 +64,23 @@ def test_pruned_logits_equal_masked_model_and_parameters_drop_exactly(family, he
 def test_exact_plan_copies_kv_heads_to_equalise_uneven_groups():
     lm = tiny_model("llama")
     plan = plan_exact(UNEVEN, lm.adapter.layouts(lm.model))
-    # layer 0 keeps heads 1, 2 of group 0 and 5 of group 1: group size gcd(2, 1) = 1, KV head 0 copied twice.
-    assert plan.layers[0].slots == (1, 2, 5) and plan.layers[0].kv_slots == (0, 0, 1)
+    # layer 0 keeps heads 1, 2 of group 0 and 5 of group 1. Group size 1 (KV head 0 copied: 3 q + 3 KV) and group
+    # size 2 (one zero dummy: 4 q + 2 KV) cost the same parameters; the smaller KV cache wins.
+    assert plan.layers[0].slots == (1, 2, 5, None) and plan.layers[0].kv_slots == (0, 1)
     assert plan.layers[1].is_identity
     assert plan.layers[2].slots == (3, 4, 5) and plan.layers[2].kv_slots == (1,)
     assert plan.layers[3].slots == () and plan.layers[3].kv_slots == ()
     uniform = plan_uniform(UNEVEN, lm.adapter.layouts(lm.model))
     assert uniform.is_uniform and uniform.shapes == [(6, 2)] * 4  # layer 1 keeps everything
+
+
+def test_exact_plan_copies_a_kv_head_when_that_is_cheapest():
+    from prune_heads.models.adapters import AttentionLayout
+
+    lay = AttentionLayout(8, 2, 16)  # groups of 4; keep all of group 0 and one head of group 1
+    plan = plan_exact(HeadSet.of({0: [4, 5, 6]}), [lay])
+    # g'=1: 5 q + 5 KV (cost 20); g'=2: 6 q + 3 KV (18, KV head 0 copied); g'=4: 8 q + 2 KV (20).
+    assert plan.layers[0].slots == (0, 1, 2, 3, 7, None) and plan.layers[0].kv_slots == (0, 0, 1)
 
 
 def test_olmo2_verification_ablation_includes_the_norm_change():
@@ -143,12 +153,12 @@ def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path)
 def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_mistral(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    lm = tiny_model("llama")  # hidden 96; 5 heads per layer: 96 % 5 != 0
-    heads = HeadSet.of({i: [5] for i in range(4)})  # groups keep (3, 2): exact plan copies KV heads to 5 x (1 query, 1 KV)
+    lm = tiny_model("llama", hidden_size=90)  # 6 heads of 16 (explicit head_dim); 4 kept heads: 90 % 4 != 0
+    heads = HeadSet.of({i: [0, 3] for i in range(4)})  # groups keep (2, 2): 4 query heads, 2 KV heads per layer
     result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
-    assert result.choice.layout == "uniform" and result.choice.plan.shapes == [(5, 5)] * 4
+    assert result.choice.layout == "uniform" and result.choice.plan.shapes == [(4, 2)] * 4
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["model_type"] == "mistral" and cfg["num_attention_heads"] == 5 and cfg["num_key_value_heads"] == 5 and cfg["architectures"] == ["MistralForCausalLM"]
+    assert cfg["model_type"] == "mistral" and cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["architectures"] == ["MistralForCausalLM"]
     assert cfg["sliding_window"] is None and cfg["head_dim"] == 16
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(reloaded).__name__ == "MistralForCausalLM"
@@ -177,7 +187,7 @@ def test_auto_layout_picks_uniform_only_when_nothing_is_left_on_the_table():
     assert uneven.layout == "per-layer" and "different head counts" in uneven.reason
     opts = uneven.options
     assert opts["per-layer"]["attention_params"] < opts["uniform"]["attention_params"] <= opts["masked"]["attention_params"]
-    assert opts["per-layer"]["kv_cache_bytes_per_token"] == 4 * 2 * 16 * (3 + 2 + 1 + 0)
+    assert opts["per-layer"]["kv_cache_bytes_per_token"] == 4 * 2 * 16 * (2 + 2 + 1 + 0)
 
 
 def test_manifest_guards_incomplete_or_modified_exports(tmp_path):

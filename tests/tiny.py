@@ -15,8 +15,14 @@ COMMON = dict(
 )
 
 
-def _config(family: str):
+def _config(family: str, **overrides):
     import transformers as tf
+
+    if overrides:
+        cfg = _config(family)
+        d = cfg.to_dict()
+        d.update(overrides)
+        return type(cfg)(**d)
 
     if family == "llama":
         return tf.LlamaConfig(**COMMON, tie_word_embeddings=True)
@@ -52,11 +58,11 @@ def _randomise_extra(model: torch.nn.Module, seed: int) -> None:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def tiny_model(family: str, seed: int = 0, attn: str = "sdpa") -> LoadedModel:
+def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = _config(family)
+    config = _config(family, **overrides)
     if family == "gemma2":
         attn = "eager"  # attention-logit softcapping has no SDPA path
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
