@@ -8,6 +8,7 @@ sha256), ``README.md`` (model card) and, for the per-layer layout, ``modeling_pr
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import shutil
@@ -103,6 +104,7 @@ def export_pruned(
     batch_size: int = 8,
     progress: bool = True,
     log=print,
+    evaluate_exported=None,
 ) -> ExportResult:
     """Write the pruned model into ``out`` (an existing, empty staging directory) and verify it there."""
     info = info or {}
@@ -127,9 +129,19 @@ def export_pruned(
         pruned.__dict__.pop(attr, None)
     _check_disk(out, pruned)
 
-    # 2. Write it.
-    pruned.save_pretrained(out, max_shard_size=max_shard_size)
-    lm.tokenizer.save_pretrained(out)
+    # 2. Write it. A full disk mid-write removes what was written, so no partial export is left behind.
+    before_files = set(out.iterdir())
+    try:
+        pruned.save_pretrained(out, max_shard_size=max_shard_size)
+        lm.tokenizer.save_pretrained(out)
+    except OSError as e:
+        for f in set(out.iterdir()) - before_files:
+            if f.is_file():
+                f.unlink()
+        if e.errno == errno.ENOSPC:
+            raise UserError(f"the disk filled up while writing the export to {out}; the partial files were removed; "
+                            "free some space and rerun the same command (finished evaluations are cached)") from None
+        raise
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     base_arch = type(lm.model).__name__.replace(type(lm.config).__name__.replace("Config", ""), type(config).__name__.replace("Config", ""))
@@ -148,7 +160,12 @@ def export_pruned(
     mmlu = None
     if enc is not None:
         reloaded = verification.pop("_model")
-        pruned_result = evaluate(reloaded, enc, None, batch_size, progress, label="exported model")
+        if evaluate_exported is not None:  # cached by the written files' content
+            weights = sorted(p for p in out.iterdir() if p.suffix in (".safetensors", ".json") and p.name != MANIFEST)
+            files_digest = hashlib.sha256("".join(_sha256(p) for p in weights).encode()).hexdigest()
+            pruned_result = evaluate_exported(reloaded, files_digest)
+        else:
+            pruned_result = evaluate(reloaded, enc, None, batch_size, progress, label="exported model")
         mmlu = {"n": len(pruned_result.questions), "pruned_accuracy": round(pruned_result.accuracy, 6)}
         if baseline is not None:
             d = paired_delta(pruned_result, baseline)

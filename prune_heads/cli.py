@@ -43,7 +43,9 @@ def common_options(f):
     options = [
         click.option("--model", "-m", help="Hub id, local directory, local .gguf file, or 'smollm2-135m' (embedded)."),
         click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), help="Output directory (must be empty unless --force)."),
-        click.option("--force", is_flag=True, help="Write into a non-empty --out, overwriting files of the same name."),
+        click.option("--force", is_flag=True, help="Replace a non-empty --out (the old one goes once the new one is complete)."),
+        click.option("--resume", is_flag=True, default=None, help="Continue from the results cached in --out (an "
+                     "interrupted run resumes on its own when rerun with the same --out)."),
         click.option("--recipe", help="Recipe name (recipes/*.yaml) or YAML file; default: the one matching the model."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="Weights and compute dtype."),
         click.option("--device", help="auto, cpu, cuda or cuda:N."),
@@ -91,7 +93,7 @@ def _settings(kw: dict, **extra):
         allow_pickle=kw.get("allow_pickle"), revision=kw.get("revision"), mmlu=kw.get("mmlu"),
         calibration=kw.get("calibration"), calibration_size=kw.get("calibration_size"),
         max_length=kw.get("max_length"), batch_size=kw.get("batch_size"), progress=not kw.get("no_progress"),
-        **extra,
+        resume=kw.get("resume"), **extra,
     )
     # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
     overrides = {}
@@ -186,21 +188,36 @@ def push(directory, repo_id, private, revision, commit_message, force):
                 log=lambda m: click.secho(m, err=True, fg="green"))
 
 
+def _interrupted() -> None:
+    from .fileio import StagedDirectory
+
+    staged = StagedDirectory.current
+    where = f" in {staged.path}" if staged is not None else ""
+    click.secho(f"interrupted: nothing under the final --out name was touched; finished work is kept{where}; "
+                "rerun the same command to resume", err=True, fg="yellow")
+    sys.exit(130)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: through the same clean-up path
+
+
 def main(argv: list[str] | None = None) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)
     except UserError as e:
         click.secho(f"error: {e}", err=True, fg="red")
         sys.exit(2)
     except click.exceptions.Abort:
-        click.secho("interrupted", err=True)
-        sys.exit(130)
+        _interrupted()
     except click.ClickException as e:
         e.show()
         sys.exit(2)
     except KeyboardInterrupt:
-        click.secho("interrupted; nothing was half-written (outputs are written atomically)", err=True)
-        sys.exit(130)
+        _interrupted()
     sys.exit(0)
 
 

@@ -65,34 +65,81 @@ def prepare_output_dir(out: str | os.PathLike, force: bool) -> Path:
 class StagedDirectory:
     """Write a whole output directory beside its final name, then rename it into place.
 
-    Until ``commit`` the results live in ``.{name}.partial-XXXX`` next to ``out``: an interrupted run never leaves
-    a directory that looks finished under the final name. ``force`` replaces an existing ``out`` (moved aside
-    first, removed only after the new one is in place)."""
+    Until ``commit`` everything lives in ``.{name}.partial`` next to ``out``, so an interrupted run never leaves a
+    directory that looks finished under the final name. The name is fixed, so rerunning the same command finds
+    the finished work cached in ``.{name}.partial/cache`` and resumes; a lock keeps two runs apart. ``force``
+    replaces an existing ``out`` (moved aside first, removed only after the new one is in place); ``resume``
+    also allows a finished ``out`` and reuses its cache."""
 
-    def __init__(self, out: str | os.PathLike, force: bool):
+    current: "StagedDirectory | None" = None
+
+    def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False):
+        import fcntl
+
         self.out = Path(out)
-        prepare_check(self.out, force)
+        prepare_check(self.out, force or resume)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+        self.path = self.out.parent / f".{self.out.name}.partial"
+        self.resumed = self.path.is_dir() and any((self.path / "cache").glob("*.safetensors"))
+        self.path.mkdir(exist_ok=True)
+        self._lock = open(self.path / ".lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise UserError(f"another prune-heads run is writing {self.out} (lock held on {self.path}); wait for it "
+                            "or choose another --out") from None
+        previous = self.out / "cache"
+        if resume and previous.is_dir():
+            (self.path / "cache").mkdir(exist_ok=True)
+            for f in previous.glob("*.safetensors"):
+                target = self.path / "cache" / f.name
+                if not target.exists():
+                    try:
+                        os.link(f, target)
+                    except OSError:
+                        import shutil
+
+                        shutil.copy2(f, target)
+            self.resumed = True
+        StagedDirectory.current = self
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.path / "cache"
+
+    def _release(self) -> None:
+        if not self._lock.closed:
+            self._lock.close()
+        (self.path / ".lock").unlink(missing_ok=True)
+        StagedDirectory.current = None
 
     def commit(self) -> Path:
         import shutil
 
+        self._release()
         old = None
         if self.out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
             os.rmdir(old)
             os.replace(self.out, old)
-        os.chmod(self.path, 0o777 & ~_umask())  # mkdtemp makes 0700
+        mask = _umask()
+        os.chmod(self.path, 0o777 & ~mask)
+        for f in self.path.rglob("*"):  # some writers (and mkstemp) leave 0600 files
+            if f.is_file():
+                os.chmod(f, 0o666 & ~mask)
         os.replace(self.path, self.out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.out
 
-    def abort(self) -> None:
+    def keep_for_resume(self) -> None:
+        """After a failure: keep the finished work for the next run; drop the directory if there is none."""
         import shutil
 
-        shutil.rmtree(self.path, ignore_errors=True)
+        self._release()
+        if not any(self.cache_dir.glob("*.safetensors")):
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def __enter__(self) -> "StagedDirectory":
         return self
@@ -101,11 +148,12 @@ class StagedDirectory:
         if exc_type is None:
             self.commit()
         else:
-            self.abort()
+            self.keep_for_resume()
 
 
 def prepare_check(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"--out {out} is not empty; choose an empty directory or pass --force to replace it")
+        raise UserError(f"--out {out} is not empty; choose an empty directory, pass --resume to continue from its "
+                        "cached results, or --force to replace it")

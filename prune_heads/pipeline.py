@@ -13,7 +13,9 @@ from . import plots
 from .data.calibration import load_calibration
 from .data.mmlu import MMLUData, load_mmlu
 from .errors import UserError
+from .cache import ResultCache, digest, tokens_digest
 from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, evaluate, paired_delta
+from .pruning import PrunePlan
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
@@ -51,6 +53,7 @@ class Settings:
     gqa: str = "exact"  # exact: keep the selection, copy KV heads as needed | balanced: same count removed per group
     max_shard_size: str = "2GB"
     export: bool = True
+    resume: bool = False
     _loaded: dict = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
@@ -145,16 +148,79 @@ def scores_payload(table: ScoreTable, settings: Settings, calibration: str) -> d
     }
 
 
+class Work:
+    """The expensive steps of a run (scoring, evaluations), each cached by everything it depends on, so an
+    interrupted run resumes without repeating finished work (cache.py)."""
+
+    def __init__(self, lm: LoadedModel, settings: Settings, stage: StagedDirectory):
+        self.lm, self.settings = lm, settings
+        self.cache = ResultCache(stage.cache_dir)
+        self._enc_digests: dict[int, str] = {}
+        import transformers
+
+        self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
+                          "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
+                          "transformers": transformers.__version__, "format": 1}
+        if stage.resumed:
+            echo(f"resuming: finished work is reused from {stage.cache_dir}")
+
+    def _enc_digest(self, enc: EncodedMMLU) -> str:
+        if id(enc) not in self._enc_digests:
+            seqs = [it.context + [t for c in it.continuations for t in c] for it in enc.items]
+            self._enc_digests[id(enc)] = tokens_digest(seqs)
+        return self._enc_digests[id(enc)]
+
+    def scores(self, seqs: list[list[int]]) -> ScoreTable:
+        key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.settings.batch_size}
+        hit = self.cache.get("scores", key)
+        if hit is not None:
+            counts = hit.pop("_token_counts").tolist()
+            return ScoreTable(hit, counts)
+        table = score_heads(self.lm, seqs, self.settings.batch_size, self.settings.progress)
+        self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
+        return table
+
+    def evaluate(self, enc: EncodedMMLU, target: "HeadSet | PrunePlan | None", label: str = "",
+                 lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
+        ablation = None if target is None or (isinstance(target, HeadSet) and not target) else (
+            {"plan": target.to_json()} if isinstance(target, PrunePlan) else {"heads": target.to_json()})
+        key = {**(model_key or self.model_key), "what": "mmlu", "tokens": self._enc_digest(enc), "ablation": ablation,
+               "batch": self.settings.batch_size}
+        hit = self.cache.get("eval", key)
+        questions = [it.question for it in enc.items]
+        if hit is not None:
+            return EvalResult(questions, hit["loglik"], label)
+        result = evaluate(lm or self.lm, enc, target if ablation else None, self.settings.batch_size,
+                          self.settings.progress, label=label)
+        self.cache.put("eval", key, {"loglik": result.loglik})
+        return result
+
+
+def _exported_evaluator(self, enc: EncodedMMLU):
+    """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
+
+    def run(reloaded: LoadedModel, files_digest: str) -> EvalResult:
+        key = {**self.model_key, "model": f"export:{files_digest}"}
+        return self.evaluate(enc, None, "exported model", lm=reloaded, model_key=key)
+
+    return run
+
+
+Work.exported_evaluator = _exported_evaluator
+
+
 def run_score(settings: Settings, out: Path, force: bool) -> dict:
-    with StagedDirectory(out, force) as stage:
-        return _score(settings, stage.path, Path(out))
+    with StagedDirectory(out, force, settings.resume) as stage:
+        return _score(settings, stage, Path(out))
 
 
-def _score(settings: Settings, stage: Path, out: Path) -> dict:
+def _score(settings: Settings, staged: StagedDirectory, out: Path) -> dict:
+    stage = staged.path
     lm = load(settings)
+    work = Work(lm, settings, staged)
     enc = None if settings.calibration else encode_mmlu(lm, load_questions(settings))
     seqs, calib = calibration_sequences(lm, settings, enc)
-    table = score_heads(lm, seqs, settings.batch_size, settings.progress)
+    table = work.scores(seqs)
     payload = {"model": lm.source.to_json(), "recipe": settings.recipe.to_json(), "settings": settings.to_json(),
                "versions": versions(), **scores_payload(table, settings, calib)}
     write_json(stage / "scores.json", payload)
@@ -163,25 +229,28 @@ def _score(settings: Settings, stage: Path, out: Path) -> dict:
 
 
 def run_eval(settings: Settings, out: Path, force: bool, heads: HeadSet | None) -> EvalResult:
-    with StagedDirectory(out, force) as stage:
-        return _eval(settings, stage.path, Path(out), heads)
+    with StagedDirectory(out, force, settings.resume) as stage:
+        return _eval(settings, stage, Path(out), heads)
 
 
-def _eval(settings: Settings, stage: Path, out: Path, heads: HeadSet | None) -> EvalResult:
+def _eval(settings: Settings, staged: StagedDirectory, out: Path, heads: HeadSet | None) -> EvalResult:
+    stage = staged.path
     lm = load(settings)
+    work = Work(lm, settings, staged)
     data = load_questions(settings)
     enc = encode_mmlu(lm, data)
-    result = evaluate(lm, enc, heads, settings.batch_size, settings.progress, label="ablated" if heads else "")
+    result = work.evaluate(enc, heads, label="ablated" if heads else "")
     summary = {"model": lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
                "mmlu_source": data.source, "skipped_rows": data.skipped_rows,
                "ablated_heads": heads.to_json() if heads else {}}
     warning = warn_chance(result) if not heads else None
     if heads:
-        baseline = evaluate(lm, enc, None, settings.batch_size, settings.progress, label="unablated")
+        baseline = work.evaluate(enc, None, label="unablated")
         summary["baseline"] = accuracy_summary(baseline)
         summary["paired_delta"] = paired_delta(result, baseline).to_json()
         warning = warn_chance(baseline)
     summary["warnings"] = [warning] if warning else []
+    summary["cache"] = work.cache.stats
     write_eval_outputs(stage, result, summary)
     echo(f"MMLU accuracy {100 * result.accuracy:.2f}% on {len(result.questions)} questions: {out / 'mmlu.jsonl'}", fg="green")
     return result
@@ -204,8 +273,8 @@ class PruneRun:
 def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
     """The main job. Everything is written into a staging directory beside ``out`` and renamed into place
     only once the export has been reloaded and verified."""
-    with StagedDirectory(out, force) as stage:
-        return _prune(settings, stage.path, Path(out))
+    with StagedDirectory(out, force, settings.resume) as stage:
+        return _prune(settings, stage, Path(out))
 
 
 def verification_target(lm: LoadedModel, heads: HeadSet, layout: str):
@@ -219,10 +288,12 @@ def verification_target(lm: LoadedModel, heads: HeadSet, layout: str):
     return choose_layout(layout, heads, layouts, lm.adapter, lm.config, torch.finfo(lm.dtype).bits // 8).plan
 
 
-def _prune(settings: Settings, stage: Path, out: Path) -> PruneRun:
+def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     started = time.time()
+    stage = staged.path
     budget = Budget.parse(settings.budget)
     lm = load(settings)
+    work = Work(lm, settings, staged)
     data = load_questions(settings)
     enc = encode_mmlu(lm, data)
     layouts = lm.adapter.layouts(lm.model)
@@ -231,11 +302,10 @@ def _prune(settings: Settings, stage: Path, out: Path) -> PruneRun:
          f"{len(enc)} MMLU questions in {len(enc.subjects)} subjects")
 
     seqs, calib = calibration_sequences(lm, settings, enc)
-    scores = score_heads(lm, seqs, settings.batch_size, settings.progress)
+    scores = work.scores(seqs)
 
     def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
-        target = verification_target(lm, heads, settings.layout if settings.export else "masked")
-        return evaluate(lm, enc, target, settings.batch_size, settings.progress, label=label)
+        return work.evaluate(enc, verification_target(lm, heads, settings.layout if settings.export else "masked"), label)
 
     baseline = evaluate_heads(HeadSet(), "unablated")
     warning = warn_chance(baseline)
@@ -292,9 +362,10 @@ def _prune(settings: Settings, stage: Path, out: Path) -> PruneRun:
 
         result = export_pruned(lm, chosen, stage, settings.layout, settings.max_shard_size, enc, baseline, chosen_result,
                                {"scorer": settings.scorer, "budget": settings.budget, "warnings": report["warnings"]},
-                               settings.batch_size, settings.progress, log=echo)
+                               settings.batch_size, settings.progress, log=echo, evaluate_exported=work.exported_evaluator(enc))
         report["export"] = {"layout": result.choice.layout, "reason": result.choice.reason, "options": result.choice.options,
                             "stats": result.stats, "verification": result.verification, "mmlu": result.mmlu}
+    report["cache"] = work.cache.stats
     report["seconds"] = round(time.time() - started, 1)
     write_json(stage / "report.json", report)
     what = "pruned model, report" if settings.export else "report"
@@ -330,21 +401,22 @@ def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_
     """``prune-heads export``: a given head set, no search. Verifies logits, and MMLU unless ``with_mmlu`` is off."""
     from exporters.export import export_pruned
 
-    with StagedDirectory(out, force) as stage:
+    with StagedDirectory(out, force, settings.resume) as staged:
+        stage = staged
         lm = load(settings)
+        work = Work(lm, settings, staged)
         layouts = lm.adapter.layouts(lm.model)
         heads.validate(len(layouts), [lay.num_heads for lay in layouts])
         enc = baseline = ablated = None
         warnings = []
         if with_mmlu:
             enc = encode_mmlu(lm, load_questions(settings))
-            baseline = evaluate(lm, enc, None, settings.batch_size, settings.progress, label="unablated")
+            baseline = work.evaluate(enc, None, label="unablated")
             warnings = [w for w in [warn_chance(baseline)] if w]
-            ablated = evaluate(lm, enc, verification_target(lm, heads, settings.layout), settings.batch_size,
-                               settings.progress, label="ablated")
+            ablated = work.evaluate(enc, verification_target(lm, heads, settings.layout), label="ablated")
         result = export_pruned(lm, heads, stage.path, settings.layout, settings.max_shard_size, enc, baseline, ablated,
                                {"scorer": None, "budget": None, "warnings": warnings}, settings.batch_size,
-                               settings.progress, log=echo)
+                               settings.progress, log=echo, evaluate_exported=work.exported_evaluator(enc) if enc else None)
         write_json(stage.path / "heads.json", heads.to_json())
     echo(f"exported {len(heads)} removed heads ({result.choice.layout} layout): {out}", fg="green")
     return result

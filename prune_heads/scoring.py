@@ -97,11 +97,11 @@ class _ScoringProbe:
             weights = output[1]
             if weights is None:
                 raise RuntimeError("attention weights were not returned; the scoring pass needs eager attention")
-            a = weights.float()  # [B, H, S_q, S_k]
-            qmask = self.token_mask.to(a.dtype)[:, None, :]  # [B, 1, S_q]
-            n = self.lengths.to(a.dtype)[:, None]
-            awft = (a[..., 0] * qmask).sum(-1) / n  # [B, H]
-            entropy = -torch.special.xlogy(a, a).sum(-1)  # [B, H, S_q]
+            a = weights  # [B, H, S_q, S_k], in the model's dtype: no float32 copy of the largest tensor of the pass
+            qmask = self.token_mask.float()[:, None, :]  # [B, 1, S_q]
+            n = self.lengths.float()[:, None]
+            awft = (a[..., 0].float() * qmask).sum(-1) / n  # [B, H]
+            entropy = torch.special.entr(a).sum(-1, dtype=torch.float32)  # -sum_j A_ij log A_ij, [B, H, S_q]
             aeqd = (entropy * qmask).sum(-1) / n
             v_norm = self._v_norm.pop(layer)  # [B, S, KV]
             v_per_head = v_norm.repeat_interleave(layout.group_size, dim=-1)  # [B, S, H]: the KV head each reads
