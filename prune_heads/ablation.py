@@ -115,3 +115,12 @@ def ablate(lm: LoadedModel, mask: "torch.Tensor | HeadSet | PrunePlan | None") -
     with abl:
         abl.set_mask(mask)
         yield abl
+
+
+def dynamic_masks(per_input: torch.Tensor, threshold: float, direction: str) -> torch.Tensor:
+    """Dynamic ablation: for each input, remove the heads whose score on that input passes ``threshold``.
+
+    ``per_input`` is ``[input, layer, head]`` (a ScoreTable entry); ``direction`` is "low" when a low score marks a
+    dormant head (``awft`` is "high"). Returns ``[input, layer, head]`` masks, 1 = kept, for ``evaluate``."""
+    dormant = per_input <= threshold if direction == "low" else per_input >= threshold
+    return (~dormant).float()

@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except click.exceptions.Abort:
         _interrupted()
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # usage errors (unknown option, bad choice): one line, like ours
+        click.secho(f"error: {e.format_message()} (see prune-heads --help)", err=True, fg="red")
         sys.exit(2)
     except KeyboardInterrupt:
         _interrupted()

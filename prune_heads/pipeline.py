@@ -325,6 +325,7 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     if settings.gqa == "balanced" and chosen:
         chosen, chosen_result, chosen_delta = balance_groups(lm, scores, settings, chosen, evaluate_heads, baseline, budget, search)
     points = [dict(p.to_json(), chosen=p.heads == chosen) for p in search.curve()]
+    gqa_options = gqa_costs(lm, scores, settings, best.heads)
     total = len(ranking)
     report = {
         "model": lm.source.to_json(),
@@ -347,6 +348,7 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
                   "gqa": settings.gqa},
         "points": points,
         "heads": chosen.to_json(),
+        "gqa_options": gqa_options,
         "warnings": [w for w in [warning] if w],
         "seconds": round(time.time() - started, 1),
     }
@@ -371,6 +373,22 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     what = "pruned model, report" if settings.export else "report"
     echo(f"{what}: {out}", fg="green")
     return PruneRun(lm, settings, scores, baseline, chosen, report, enc, evaluate_heads)
+
+
+def gqa_costs(lm, scores, settings, heads: HeadSet) -> dict:
+    """What each grouped-query strategy would cost for the searched selection (before any re-verification)."""
+    from exporters.layouts import costs, exact_plan
+
+    from .pruning import balanced_selection
+
+    layouts = lm.adapter.layouts(lm.model)
+    bpv = torch.finfo(lm.dtype).bits // 8
+    balanced = balanced_selection(heads, layouts, scores.mean(settings.scorer), score_direction(settings.scorer) == "low")
+    out = {}
+    for name, sel in (("exact", heads), ("balanced", balanced)):
+        c = costs(exact_plan(sel, layouts, lm.adapter, lm.config), lm.config.hidden_size, bpv)
+        out[name] = {"heads_removed": len(sel), **{k: v for k, v in c.items() if k != "shapes"}}
+    return out
 
 
 def balance_groups(lm, scores, settings, heads, evaluate_heads, baseline, budget, search):

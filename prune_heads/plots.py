@@ -54,6 +54,10 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
     ax.plot(x, y, "o-", color="tab:blue", label="ablated accuracy")
     ax.axhline(base, color="gray", linestyle="--", linewidth=1, label=f"unablated {base:.1f}%")
     ax.axhline(base - budget_points, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget_points:g} pt)")
+    over = [p for p in pts if not p.get("within_budget", True)]
+    if over:
+        ax.plot([100 * p["fraction"] for p in over], [100 * p["accuracy"] for p in over], "x", color="tab:red",
+                markersize=9, mew=2, label="over budget")
     chosen = [p for p in pts if p.get("chosen")]
     if chosen:
         ax.plot([100 * chosen[0]["fraction"]], [100 * chosen[0]["accuracy"]], "*", color="tab:red", markersize=14, label="chosen")

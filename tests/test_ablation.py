@@ -67,3 +67,17 @@ def test_head_set_is_canonical_hashable_and_validated():
         HeadSet.of({5: [0]}).validate(3, [6, 6, 6])
     with pytest.raises(UserError, match="head 6 of layer 0"):
         HeadSet.of({0: [6]}).validate(3, [6, 6, 6])
+
+
+def test_dynamic_masks_select_exactly_the_heads_past_threshold_per_input():
+    from prune_heads.ablation import dynamic_masks
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(5, 3, 4, generator=g)
+    low = dynamic_masks(scores, 0.3, "low")
+    high = dynamic_masks(scores, 0.7, "high")
+    for n in range(5):  # against a naive loop
+        for layer in range(3):
+            for h in range(4):
+                assert low[n, layer, h] == (0.0 if scores[n, layer, h] <= 0.3 else 1.0)
+                assert high[n, layer, h] == (0.0 if scores[n, layer, h] >= 0.7 else 1.0)

