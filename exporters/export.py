@@ -21,7 +21,7 @@ from prune_heads import __version__
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
 from prune_heads.evaluation import EncodedMMLU, EvalResult, evaluate, paired_delta
-from prune_heads.fileio import write_json, write_text
+from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
@@ -44,14 +44,6 @@ class ExportResult:
     verification: dict
     mmlu: dict | None
     manifest: dict = field(default_factory=dict)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _bytes_per_value(dtype: torch.dtype) -> int:
@@ -162,7 +154,7 @@ def export_pruned(
         reloaded = verification.pop("_model")
         if evaluate_exported is not None:  # cached by the written files' content
             weights = sorted(p for p in out.iterdir() if p.suffix in (".safetensors", ".json") and p.name != MANIFEST)
-            files_digest = hashlib.sha256("".join(_sha256(p) for p in weights).encode()).hexdigest()
+            files_digest = hashlib.sha256("".join(sha256_file(p) for p in weights).encode()).hexdigest()
             pruned_result = evaluate_exported(reloaded, files_digest)
         else:
             pruned_result = evaluate(reloaded, enc, None, batch_size, progress, label="exported model")
@@ -205,7 +197,9 @@ def export_pruned(
         "dtype": str(lm.dtype).replace("torch.", ""),
     }
     write_text(out / "README.md", model_card(meta))
-    meta["files"] = {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
+    meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
+                     if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
     meta["verified"] = True
     write_json(out / MANIFEST, meta)
     return ExportResult(choice, stats, verification, mmlu, meta)
@@ -247,6 +241,6 @@ def read_manifest(directory: Path) -> dict:
         f = Path(directory) / name
         if not f.is_file():
             raise UserError(f"{directory} is incomplete: {name} is missing; export the model again")
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise UserError(f"{directory} was modified after export: {name} does not match its recorded sha256; export again")
     return meta

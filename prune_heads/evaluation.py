@@ -299,3 +299,57 @@ def paired_delta(ablated: EvalResult, baseline: EvalResult, z: float = 1.96) -> 
     mean = float(d.mean())
     se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
     return PairedDelta(mean, mean - z * se, mean + z * se, n)
+
+
+@torch.no_grad()
+def evaluate_many(
+    lm: LoadedModel,
+    enc: EncodedMMLU,
+    head_sets: Sequence[HeadSet],
+    batch_size: int = 8,
+    progress: bool = True,
+    label: str = "",
+) -> list[EvalResult]:
+    """Evaluate several static head sets in the same forward passes: row ``s`` of every batch carries head set
+    ``s``'s mask (the ablation is per row). Per subject, one prefix pass of ``len(head_sets)`` rows, then each
+    chunk of questions for every set at once. Same numbers as ``evaluate`` once per set."""
+    n = len(head_sets)
+    masks = torch.stack([mask_for(lm, hs) for hs in head_sets])  # [n, L, H]
+    loglik = torch.zeros(n, len(enc), 4, dtype=torch.float64)
+    chunk = max(1, batch_size // n) if n <= batch_size else 1
+    offset = 0
+    model, dev = lm.model, lm.device
+    with HeadAblation(lm) as abl:
+        for subject in tqdm(enc.subjects, desc=f"MMLU {label}".strip(), unit="subject", disable=not progress, leave=False):
+            fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
+            if fast_rows:
+                abl.set_mask(masks)
+                prefix = torch.tensor([subject.prefix] * n, device=dev)
+                cache = model(input_ids=prefix, use_cache=True, logits_to_keep=1).cache
+                p = len(subject.prefix)
+                order = sorted(fast_rows, key=lambda r: len(subject.items[r].context))
+                for start in range(0, len(order), chunk):
+                    rows = order[start:start + chunk]
+                    c = len(rows)
+                    suffixes = [subject.items[r].context[p:] for r in rows]
+                    lengths = [len(x) for x in suffixes]
+                    ids = torch.zeros(n * c, max(lengths), dtype=torch.long)
+                    for s in range(n):  # set-major rows: row s*c + q
+                        for q, x in enumerate(suffixes):
+                            ids[s * c + q, : len(x)] = torch.tensor(x)
+                    abl.set_mask(masks.repeat_interleave(c, dim=0))
+                    ends = sorted(set(m - 1 for m in lengths))
+                    logits = model(input_ids=ids.to(dev), cache=_expand_cache(cache, c), use_cache=True,
+                                   logits_to_keep=torch.tensor(ends, device=dev)).logits
+                    for s in range(n):
+                        for q, r in enumerate(rows):
+                            lp = _logprobs_at(logits[s * c + q, ends.index(lengths[q] - 1)])
+                            loglik[s, offset + r] = torch.tensor([float(lp[t[0]]) for t in subject.items[r].continuations])
+            for r, it in enumerate(subject.items):
+                if not it.fast:
+                    for s in range(n):
+                        abl.set_mask(masks[s])
+                        loglik[s, offset + r] = torch.tensor(_reference_loglik(lm, it))
+            offset += len(subject.items)
+    questions = [it.question for it in enc.items]
+    return [EvalResult(questions, loglik[s], label) for s in range(n)]

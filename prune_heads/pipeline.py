@@ -14,7 +14,7 @@ from .data.calibration import load_calibration
 from .data.mmlu import MMLUData, load_mmlu
 from .errors import UserError
 from .cache import ResultCache, digest, tokens_digest
-from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, evaluate, paired_delta
+from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, evaluate, evaluate_many, paired_delta
 from .pruning import PrunePlan
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
@@ -45,6 +45,7 @@ class Settings:
     grid: tuple[float, ...] = DEFAULT_GRID
     patience: int = 2
     refine_steps: int = 3
+    parallel: int = 1  # coarse-grid points evaluated in the same forward passes
     trust_remote_code: bool = False
     allow_pickle: bool = False
     revision: str | None = None
@@ -73,8 +74,11 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     for key in ("scorer", "budget", "dtype", "calibration_size", "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size"):
         values[key] = rec.get(key, device_type)
     search = rec.values.get("search") or {}
+    parallel = search.get("parallel", 1)
+    if isinstance(parallel, dict):
+        parallel = parallel.get("gpu" if device_type == "cuda" else "cpu", 1)
     values.update(grid=tuple(search.get("grid", DEFAULT_GRID)), patience=search.get("patience", 2),
-                  refine_steps=search.get("refine_steps", 3))
+                  refine_steps=search.get("refine_steps", 3), parallel=int(parallel or 1))
     for key, value in flags.items():
         if value is not None:
             values[key] = value
@@ -180,12 +184,39 @@ class Work:
         self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
         return table
 
-    def evaluate(self, enc: EncodedMMLU, target: "HeadSet | PrunePlan | None", label: str = "",
-                 lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
+    def _eval_key(self, enc, target, model_key=None):
         ablation = None if target is None or (isinstance(target, HeadSet) and not target) else (
             {"plan": target.to_json()} if isinstance(target, PrunePlan) else {"heads": target.to_json()})
-        key = {**(model_key or self.model_key), "what": "mmlu", "tokens": self._enc_digest(enc), "ablation": ablation,
-               "batch": self.settings.batch_size}
+        return ablation, {**(model_key or self.model_key), "what": "mmlu", "tokens": self._enc_digest(enc),
+                          "ablation": ablation, "batch": self.settings.batch_size}
+
+    def evaluate_group(self, enc: EncodedMMLU, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
+        """Several static head sets at once (evaluate_many); cached per set like ``evaluate``. Families whose
+        verification needs the export plan (OLMo-2 norms) are evaluated one at a time."""
+        if self.lm.adapter.qk_norm == "across_heads":
+            return [self.evaluate(enc, verification_target(self.lm, hs, self.settings.layout), lab)
+                    for hs, lab in zip(head_sets, labels)]
+        questions = [it.question for it in enc.items]
+        results: dict[int, EvalResult] = {}
+        todo = []
+        for i, hs in enumerate(head_sets):
+            hit = self.cache.get("eval", self._eval_key(enc, hs)[1])
+            if hit is not None:
+                results[i] = EvalResult(questions, hit["loglik"], labels[i])
+            else:
+                todo.append(i)
+        if todo:
+            label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
+            for i, res in zip(todo, evaluate_many(self.lm, enc, [head_sets[i] for i in todo], self.settings.batch_size,
+                                                  self.settings.progress, label)):
+                self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
+                res.label = labels[i]
+                results[i] = res
+        return [results[i] for i in range(len(head_sets))]
+
+    def evaluate(self, enc: EncodedMMLU, target: "HeadSet | PrunePlan | None", label: str = "",
+                 lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
+        ablation, key = self._eval_key(enc, target, model_key)
         hit = self.cache.get("eval", key)
         questions = [it.question for it in enc.items]
         if hit is not None:
@@ -319,7 +350,8 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
 
     ranking = scores.ranking(settings.scorer)
     search = search_budget(ranking, evaluate_heads, baseline, budget, settings.grid, settings.patience,
-                           settings.refine_steps, on_point)
+                           settings.refine_steps, on_point, lambda sets, labels: work.evaluate_group(enc, sets, labels),
+                           settings.parallel)
     best = search.best
     chosen, chosen_result, chosen_delta = best.heads, best.result, best.delta
     if settings.gqa == "balanced" and chosen:

@@ -85,16 +85,29 @@ def search_budget(
     patience: int = 2,
     refine_steps: int = 3,
     on_point: Callable[[SearchPoint], None] | None = None,
+    evaluate_group: Callable[[list[HeadSet], list[str]], list[EvalResult]] | None = None,
+    parallel: int = 1,
 ) -> SearchResult:
+    """``evaluate_group`` with ``parallel > 1`` evaluates that many coarse-grid points in the same forward passes
+    (points past the stopping rule that were evaluated anyway stay on the curve)."""
     total = len(ranking)
     result = SearchResult()
     done: dict[int, SearchPoint] = {}
+    precomputed: dict[int, EvalResult] = {}
+
+    def prefetch(ks: list[int]) -> None:
+        todo = [k for k in ks if k not in done and k not in precomputed and k > 0]
+        if evaluate_group is None or len(todo) < 2:
+            return
+        sets = [HeadSet.from_pairs(ranking[:k]) for k in todo]
+        for k, res in zip(todo, evaluate_group(sets, [f"{k}/{total} heads off" for k in todo])):
+            precomputed[k] = res
 
     def point(k: int, stage: str) -> SearchPoint:
         if k in done:
             return done[k]
         heads = HeadSet.from_pairs(ranking[:k])
-        res = baseline if k == 0 else evaluate_heads(heads, f"{k}/{total} heads off")
+        res = baseline if k == 0 else precomputed.pop(k, None) or evaluate_heads(heads, f"{k}/{total} heads off")
         delta = paired_delta(res, baseline)
         p = SearchPoint(k, k / total, heads, res.accuracy, delta, budget.allows(delta), stage, res)
         done[k] = p
@@ -106,7 +119,9 @@ def search_budget(
     point(0, "baseline")
     sizes = sorted({max(1, round(f * total)) for f in grid if 0 < f <= 1})
     best_k, fails_in_row, first_fail_above = 0, 0, None
-    for k in sizes:
+    for i, k in enumerate(sizes):
+        if parallel > 1 and i % parallel == 0:
+            prefetch(sizes[i:i + parallel])
         if point(k, "grid").within_budget:
             best_k, fails_in_row, first_fail_above = k, 0, None
         else:

@@ -132,7 +132,8 @@ def make_handler(state: HubState, endpoint: list[str]):
                 repo = f"{req.get('organization') or 'user'}/{req['name']}"
                 if repo in state.repos:
                     return self._send(409, {"error": "You already created this model repo", "url": f"{endpoint[0]}/{repo}"})
-                state.repos[repo] = {"private": bool(req.get("private")), "branches": {"main": {"files": {}, "sha": _sha({})}},
+                private = bool(req.get("private")) or req.get("visibility") == "private"  # older and newer clients
+                state.repos[repo] = {"private": private, "branches": {"main": {"files": {}, "sha": _sha({})}},
                                      "snapshots": {}}
                 return self._send(200, {"url": f"{endpoint[0]}/{repo}", "name": repo})
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/branch/([^/]+)", path)

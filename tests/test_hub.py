@@ -86,3 +86,20 @@ def test_push_refuses_to_overwrite_without_force_and_bad_dirs_and_tokens(export_
     assert proc.returncode == 2 and "HTTP 401" in proc.stderr and "HF_TOKEN" in proc.stderr
     assert "hf_wrong_token_value" not in proc.stderr + proc.stdout
     assert "user/y" not in server.state.repos
+
+
+def test_main_command_push_to(hub, tmp_path):
+    from test_mmlu import _cais_file
+
+    server, env = hub
+    lm = tiny_model("qwen2")
+    model = tmp_path / "model"
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
+    proc = run(["--model", model, "--mmlu", mmlu, "--out", tmp_path / "out", "--calibration-size", "4", "--no-progress",
+                "--push-to", "user/main-push", "--private"], env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    repo = server.state.repos["user/main-push"]
+    assert repo["private"] and MANIFEST in repo["branches"]["main"]["files"]
+    assert repo["branches"]["main"]["files"]["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()

@@ -111,3 +111,16 @@ def test_paired_delta_and_confidence_interval_by_hand():
     assert d.delta == pytest.approx(-25.0)
     se = 50.0 / 2  # sample sd of (0,-100,0,0) is 50; / sqrt(4)
     assert (d.ci_low, d.ci_high) == (pytest.approx(-25 - 1.96 * se), pytest.approx(-25 + 1.96 * se))
+
+
+def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
+    from prune_heads.evaluation import evaluate_many
+
+    lm = tiny_model("qwen2")
+    enc = encode_mmlu(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=9))))
+    sets = [HeadSet(), HeadSet.of({0: [1]}), HeadSet.of({1: [0, 2, 4], 3: [5]})]
+    together = evaluate_many(lm, enc, sets, batch_size=4, progress=False)
+    for hs, res in zip(sets, together):
+        alone = evaluate(lm, enc, hs, batch_size=4, progress=False)
+        assert torch.equal(res.pred, alone.pred)
+        assert torch.allclose(res.loglik, alone.loglik, atol=1e-4)

@@ -124,6 +124,25 @@ def test_corrupted_cache_entry_is_detected_and_recomputed(setup, reference, tmp_
     _same_result(report, reference)
 
 
+def test_a_changed_setting_recomputes_only_what_it_affects(setup, reference, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = finished(cli(args(setup, out)))
+    assert code == 0, err
+    first = json.loads((out / "report.json").read_text())
+    a = args(setup, out, "--resume")
+    a[a.index("--budget") + 1] = "0.5pt"  # a tighter budget: new search points, same scores and baseline
+    code, _, err = finished(cli(a))
+    assert code == 0, err
+    second = json.loads((out / "report.json").read_text())
+    assert second["scores"] == first["scores"]
+    old = {p["num_heads"] for p in first["points"]}
+    new = {p["num_heads"] for p in second["points"]} - old
+    # Computed now: only search points never evaluated before, plus the export's own MMLU run if the chosen set changed.
+    exported = 0 if second["heads"] == first["heads"] else 1
+    assert second["cache"]["computed"] == len(new) + exported
+    assert second["cache"]["loaded"] >= 2  # at least the scores and the baseline came from the cache
+
+
 def test_sigterm_stops_cleanly_and_says_how_to_resume(setup, tmp_path):
     out = tmp_path / "run"
     partial = tmp_path / ".run.partial"

@@ -189,13 +189,11 @@ class Olmo2Adapter(ArchAdapter):
         return {"q": attn.q_norm, "k": attn.k_norm}
 
     def sliced_norms(self, attn, plan):
-        d = plan.layout.head_dim
+        from ..pruning import _rows
 
         def sliced(norm, index):
-            w = norm.weight
-            parts = [w[h * d:(h + 1) * d] if h is not None else torch.zeros_like(w[:d]) for h in index]
             new = copy.deepcopy(norm)
-            new.weight = nn.Parameter(torch.cat(parts) if parts else w[:0], requires_grad=False)
+            new.weight = nn.Parameter(_rows(norm.weight, index, plan.layout.head_dim), requires_grad=False)
             return new
 
         return {"q_norm": sliced(attn.q_norm, plan.slots), "k_norm": sliced(attn.k_norm, plan.kv_slots)}

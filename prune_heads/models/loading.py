@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..fileio import sha256_file
 from .adapters import ArchAdapter, adapter_for
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
@@ -79,14 +80,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _directory_fingerprint(path: Path) -> str:
     """sha256 over config.json and, per weight file, its name, size and first and last MiB: fast on
     multi-GB checkpoints and changes whenever the weights do in practice."""
@@ -114,12 +107,12 @@ def resolve_source(spec: str) -> ModelSource:
         gguf = directory / info["file"]
         if not gguf.is_file():
             raise UserError(f"the {info['package']} package has no {info['file']}; reinstall it with: {info['install']}")
-        return ModelSource(spec, "embedded", str(directory), info["file"], fingerprint=_sha256(gguf))
+        return ModelSource(spec, "embedded", str(directory), info["file"], fingerprint=sha256_file(gguf))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"GGUF file {spec} does not exist; check the path")
-        return ModelSource(spec, "gguf", str(path.parent.resolve()), path.name, fingerprint=_sha256(path))
+        return ModelSource(spec, "gguf", str(path.parent.resolve()), path.name, fingerprint=sha256_file(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(
