@@ -13,16 +13,14 @@ from . import plots
 from .data.calibration import load_calibration
 from .data.mmlu import MMLUData, load_mmlu
 from .errors import UserError
-from .cache import ResultCache, digest, tokens_digest
-from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, evaluate, evaluate_many, paired_delta
-from .pruning import PrunePlan
+from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, paired_delta
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
 from .recipes import Recipe, load_recipe, recipe_for
 from .report import accuracy_summary, chance_warning, versions, write_eval_outputs
-from .scoring import score_heads
 from .search import DEFAULT_GRID, Budget, search_budget
+from .work import Work
 
 
 @dataclass
@@ -152,94 +150,6 @@ def scores_payload(table: ScoreTable, settings: Settings, calibration: str) -> d
     }
 
 
-class Work:
-    """The expensive steps of a run (scoring, evaluations), each cached by everything it depends on, so an
-    interrupted run resumes without repeating finished work (cache.py)."""
-
-    def __init__(self, lm: LoadedModel, settings: Settings, stage: StagedDirectory):
-        self.lm, self.settings = lm, settings
-        self.cache = ResultCache(stage.cache_dir)
-        self._enc_digests: dict[int, str] = {}
-        import transformers
-
-        self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
-                          "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
-                          "transformers": transformers.__version__, "format": 1}
-        if stage.resumed:
-            echo(f"resuming: finished work is reused from {stage.cache_dir}")
-
-    def _enc_digest(self, enc: EncodedMMLU) -> str:
-        if id(enc) not in self._enc_digests:
-            seqs = [it.context + [t for c in it.continuations for t in c] for it in enc.items]
-            self._enc_digests[id(enc)] = tokens_digest(seqs)
-        return self._enc_digests[id(enc)]
-
-    def scores(self, seqs: list[list[int]]) -> ScoreTable:
-        key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.settings.batch_size}
-        hit = self.cache.get("scores", key)
-        if hit is not None:
-            counts = hit.pop("_token_counts").tolist()
-            return ScoreTable(hit, counts)
-        table = score_heads(self.lm, seqs, self.settings.batch_size, self.settings.progress)
-        self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
-        return table
-
-    def _eval_key(self, enc, target, model_key=None):
-        ablation = None if target is None or (isinstance(target, HeadSet) and not target) else (
-            {"plan": target.to_json()} if isinstance(target, PrunePlan) else {"heads": target.to_json()})
-        return ablation, {**(model_key or self.model_key), "what": "mmlu", "tokens": self._enc_digest(enc),
-                          "ablation": ablation, "batch": self.settings.batch_size}
-
-    def evaluate_group(self, enc: EncodedMMLU, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
-        """Several static head sets at once (evaluate_many); cached per set like ``evaluate``. Families whose
-        verification needs the export plan (OLMo-2 norms) are evaluated one at a time."""
-        if self.lm.adapter.qk_norm == "across_heads":
-            return [self.evaluate(enc, verification_target(self.lm, hs, self.settings.layout), lab)
-                    for hs, lab in zip(head_sets, labels)]
-        questions = [it.question for it in enc.items]
-        results: dict[int, EvalResult] = {}
-        todo = []
-        for i, hs in enumerate(head_sets):
-            hit = self.cache.get("eval", self._eval_key(enc, hs)[1])
-            if hit is not None:
-                results[i] = EvalResult(questions, hit["loglik"], labels[i])
-            else:
-                todo.append(i)
-        if todo:
-            label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
-            for i, res in zip(todo, evaluate_many(self.lm, enc, [head_sets[i] for i in todo], self.settings.batch_size,
-                                                  self.settings.progress, label)):
-                self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
-                res.label = labels[i]
-                results[i] = res
-        return [results[i] for i in range(len(head_sets))]
-
-    def evaluate(self, enc: EncodedMMLU, target: "HeadSet | PrunePlan | None", label: str = "",
-                 lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
-        ablation, key = self._eval_key(enc, target, model_key)
-        hit = self.cache.get("eval", key)
-        questions = [it.question for it in enc.items]
-        if hit is not None:
-            return EvalResult(questions, hit["loglik"], label)
-        result = evaluate(lm or self.lm, enc, target if ablation else None, self.settings.batch_size,
-                          self.settings.progress, label=label)
-        self.cache.put("eval", key, {"loglik": result.loglik})
-        return result
-
-
-def _exported_evaluator(self, enc: EncodedMMLU):
-    """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
-
-    def run(reloaded: LoadedModel, files_digest: str) -> EvalResult:
-        key = {**self.model_key, "model": f"export:{files_digest}"}
-        return self.evaluate(enc, None, "exported model", lm=reloaded, model_key=key)
-
-    return run
-
-
-Work.exported_evaluator = _exported_evaluator
-
-
 def run_score(settings: Settings, out: Path, force: bool) -> dict:
     with StagedDirectory(out, force, settings.resume) as stage:
         return _score(settings, stage, Path(out))
@@ -308,17 +218,6 @@ def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
         return _prune(settings, stage, Path(out))
 
 
-def verification_target(lm: LoadedModel, heads: HeadSet, layout: str):
-    """What the ablation must zero to compute exactly what the export will ship: the heads themselves, or for
-    families whose q/k norms span all heads (OLMo-2), the export plan."""
-    if lm.adapter.qk_norm != "across_heads" or not heads:
-        return heads
-    from exporters.layouts import choose_layout
-
-    layouts = lm.adapter.layouts(lm.model)
-    return choose_layout(layout, heads, layouts, lm.adapter, lm.config, torch.finfo(lm.dtype).bits // 8).plan
-
-
 def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     started = time.time()
     stage = staged.path
@@ -336,7 +235,7 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     scores = work.scores(seqs)
 
     def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
-        return work.evaluate(enc, verification_target(lm, heads, settings.layout if settings.export else "masked"), label)
+        return work.evaluate(enc, work.verification_target(heads), label)
 
     baseline = evaluate_heads(HeadSet(), "unablated")
     warning = warn_chance(baseline)
@@ -452,7 +351,6 @@ def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_
     from exporters.export import export_pruned
 
     with StagedDirectory(out, force, settings.resume) as staged:
-        stage = staged
         lm = load(settings)
         work = Work(lm, settings, staged)
         layouts = lm.adapter.layouts(lm.model)
@@ -463,10 +361,10 @@ def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_
             enc = encode_mmlu(lm, load_questions(settings))
             baseline = work.evaluate(enc, None, label="unablated")
             warnings = [w for w in [warn_chance(baseline)] if w]
-            ablated = work.evaluate(enc, verification_target(lm, heads, settings.layout), label="ablated")
-        result = export_pruned(lm, heads, stage.path, settings.layout, settings.max_shard_size, enc, baseline, ablated,
+            ablated = work.evaluate(enc, work.verification_target(heads, settings.layout), label="ablated")
+        result = export_pruned(lm, heads, staged.path, settings.layout, settings.max_shard_size, enc, baseline, ablated,
                                {"scorer": None, "budget": None, "warnings": warnings}, settings.batch_size,
                                settings.progress, log=echo, evaluate_exported=work.exported_evaluator(enc) if enc else None)
-        write_json(stage.path / "heads.json", heads.to_json())
+        write_json(staged.path / "heads.json", heads.to_json())
     echo(f"exported {len(heads)} removed heads ({result.choice.layout} layout): {out}", fg="green")
     return result

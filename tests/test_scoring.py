@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from prune_heads.heads import BASE_KEYS, SCORE_KEYS, ScoreTable
+from prune_heads.heads import BASE_KEYS, SCORE_KEYS
 from prune_heads.scoring import eager_attention, score_heads
 from tiny import FAMILIES, tiny_model
 

@@ -1,0 +1,109 @@
+"""The expensive steps of a run (scoring, MMLU evaluations), each cached by everything it depends on, so an
+interrupted or changed run repeats no finished work (see cache.py)."""
+from __future__ import annotations
+
+import click
+import torch
+
+from .cache import ResultCache, tokens_digest
+from .evaluation import EncodedMMLU, EvalResult, evaluate, evaluate_many
+from .fileio import StagedDirectory
+from .heads import HeadSet, ScoreTable
+from .models.loading import LoadedModel
+from .pruning import PrunePlan
+from .scoring import score_heads
+
+
+class Work:
+    """The expensive steps of a run (scoring, evaluations), each cached by everything it depends on, so an
+    interrupted run resumes without repeating finished work (cache.py)."""
+
+    def __init__(self, lm: LoadedModel, settings, stage: StagedDirectory):
+        self.lm, self.settings = lm, settings
+        self.cache = ResultCache(stage.cache_dir)
+        self._enc_digests: dict[int, str] = {}
+        import transformers
+
+        self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
+                          "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
+                          "transformers": transformers.__version__, "format": 1}
+        if stage.resumed:
+            click.secho(f"resuming: finished work is reused from {stage.cache_dir}", err=True)
+
+    def verification_target(self, heads: HeadSet, layout: str | None = None):
+        """What the ablation must zero to compute exactly what the export will ship: the heads themselves, or for
+        families whose q/k norms span all heads (OLMo-2), the export plan."""
+        if self.lm.adapter.qk_norm != "across_heads" or not heads:
+            return heads
+        from exporters.layouts import choose_layout
+
+        lm = self.lm
+        layout = layout or (self.settings.layout if self.settings.export else "masked")
+        return choose_layout(layout, heads, lm.adapter.layouts(lm.model), lm.adapter, lm.config,
+                             torch.finfo(lm.dtype).bits // 8).plan
+
+    def _enc_digest(self, enc: EncodedMMLU) -> str:
+        if id(enc) not in self._enc_digests:
+            seqs = [it.context + [t for c in it.continuations for t in c] for it in enc.items]
+            self._enc_digests[id(enc)] = tokens_digest(seqs)
+        return self._enc_digests[id(enc)]
+
+    def scores(self, seqs: list[list[int]]) -> ScoreTable:
+        key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.settings.batch_size}
+        hit = self.cache.get("scores", key)
+        if hit is not None:
+            counts = hit.pop("_token_counts").tolist()
+            return ScoreTable(hit, counts)
+        table = score_heads(self.lm, seqs, self.settings.batch_size, self.settings.progress)
+        self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
+        return table
+
+    def _eval_key(self, enc, target, model_key=None):
+        ablation = None if target is None or (isinstance(target, HeadSet) and not target) else (
+            {"plan": target.to_json()} if isinstance(target, PrunePlan) else {"heads": target.to_json()})
+        return ablation, {**(model_key or self.model_key), "what": "mmlu", "tokens": self._enc_digest(enc),
+                          "ablation": ablation, "batch": self.settings.batch_size}
+
+    def evaluate_group(self, enc: EncodedMMLU, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
+        """Several static head sets at once (evaluate_many); cached per set like ``evaluate``. Families whose
+        verification needs the export plan (OLMo-2 norms) are evaluated one at a time."""
+        if self.lm.adapter.qk_norm == "across_heads":
+            return [self.evaluate(enc, self.verification_target(hs), lab) for hs, lab in zip(head_sets, labels)]
+        questions = [it.question for it in enc.items]
+        results: dict[int, EvalResult] = {}
+        todo = []
+        for i, hs in enumerate(head_sets):
+            hit = self.cache.get("eval", self._eval_key(enc, hs)[1])
+            if hit is not None:
+                results[i] = EvalResult(questions, hit["loglik"], labels[i])
+            else:
+                todo.append(i)
+        if todo:
+            label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
+            for i, res in zip(todo, evaluate_many(self.lm, enc, [head_sets[i] for i in todo], self.settings.batch_size,
+                                                  self.settings.progress, label)):
+                self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
+                res.label = labels[i]
+                results[i] = res
+        return [results[i] for i in range(len(head_sets))]
+
+    def evaluate(self, enc: EncodedMMLU, target: "HeadSet | PrunePlan | None", label: str = "",
+                 lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
+        ablation, key = self._eval_key(enc, target, model_key)
+        hit = self.cache.get("eval", key)
+        questions = [it.question for it in enc.items]
+        if hit is not None:
+            return EvalResult(questions, hit["loglik"], label)
+        result = evaluate(lm or self.lm, enc, target if ablation else None, self.settings.batch_size,
+                          self.settings.progress, label=label)
+        self.cache.put("eval", key, {"loglik": result.loglik})
+        return result
+
+    def exported_evaluator(self, enc: EncodedMMLU):
+        """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
+
+        def run(reloaded: LoadedModel, files_digest: str) -> EvalResult:
+            key = {**self.model_key, "model": f"export:{files_digest}"}
+            return self.evaluate(enc, None, "exported model", lm=reloaded, model_key=key)
+
+        return run
