@@ -106,7 +106,9 @@ def _settings(kw: dict, **extra):
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @common_options
-@click.option("--budget", "-b", help="Max MMLU accuracy drop in points: 1%, 0.5 or 2pt (recipe default 1%).")
+@click.option("--budget", "-b", help="Max MMLU accuracy drop in points (1%, 0.5, 2pt), or max answer KL in nats (0.05nat).")
+@click.option("--metric", type=click.Choice(["mmlu", "kl"]), help="What the budget limits: mmlu accuracy points (default) "
+              "or kl, the mean KL from the unablated model over the four answer letters (has signal at chance level).")
 @click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
 @export_options
 @click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
@@ -117,7 +119,7 @@ def _settings(kw: dict, **extra):
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, scorer, layout, max_shard_size, gqa, no_export, push_to, private, **kw):
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     within --budget, and write the report, heads.json and plots to --out.
 
@@ -129,7 +131,7 @@ def cli(ctx: click.Context, budget, scorer, layout, max_shard_size, gqa, no_expo
         return
     from .pipeline import run_prune
 
-    settings = _settings(kw, budget=budget, scorer=scorer, layout=layout, max_shard_size=max_shard_size, gqa=gqa,
+    settings = _settings(kw, budget=budget, metric=metric, scorer=scorer, layout=layout, max_shard_size=max_shard_size, gqa=gqa,
                          export=not no_export)
     run_prune(settings, kw["out"], kw["force"])
     if push_to:

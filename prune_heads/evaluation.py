@@ -293,6 +293,18 @@ class PairedDelta:
         return {"delta_points": round(self.delta, 4), "ci95_points": [round(self.ci_low, 4), round(self.ci_high, 4)], "n": self.n}
 
 
+def answer_kl(ablated: EvalResult, baseline: EvalResult) -> torch.Tensor:
+    """Per question, KL(unablated || ablated) in nats between the distributions over the four answer letters
+    (each model's log-likelihoods renormalised over A-D)."""
+    p = torch.log_softmax(baseline.loglik.double(), dim=-1)
+    q = torch.log_softmax(ablated.loglik.double(), dim=-1)
+    return (p.exp() * (p - q)).sum(-1).clamp(min=0.0)
+
+
+def agreement(ablated: EvalResult, baseline: EvalResult) -> float:
+    return float((ablated.pred == baseline.pred).double().mean())
+
+
 def paired_delta(ablated: EvalResult, baseline: EvalResult, z: float = 1.96) -> PairedDelta:
     d = (ablated.correct - baseline.correct) * 100.0
     n = d.numel()

@@ -1,6 +1,7 @@
 """One run from settings to outputs. Each ``run_*`` function is what one CLI command does."""
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,13 +14,13 @@ from . import plots
 from .data.calibration import load_calibration
 from .data.mmlu import MMLUData, load_mmlu
 from .errors import UserError
-from .evaluation import EncodedMMLU, EvalResult, encode, encode_mmlu, paired_delta
+from .evaluation import EncodedMMLU, EvalResult, agreement, answer_kl, encode, encode_mmlu, paired_delta
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
 from .recipes import Recipe, load_recipe, recipe_for
 from .report import accuracy_summary, chance_warning, versions, write_eval_outputs
-from .search import DEFAULT_GRID, Budget, search_budget
+from .search import DEFAULT_GRID, Budget, judge, search_budget
 from .work import Work
 
 
@@ -33,6 +34,7 @@ class Settings:
     dtype: str = "auto"
     scorer: str = "ahon_ln"
     budget: str = "1%"
+    metric: str = "mmlu"  # what the budget limits: mmlu (accuracy points) | kl (nats of answer-letter KL)
     calibration: str | None = None
     calibration_size: int = 128
     max_length: int = 2048
@@ -69,7 +71,7 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     rec = load_recipe(recipe) if recipe else recipe_for(model, config.model_type, preferred)
     device_type = resolve_device(flags.get("device") or "auto").type
     values: dict = {}
-    for key in ("scorer", "budget", "dtype", "calibration_size", "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size"):
+    for key in ("scorer", "budget", "metric", "dtype", "calibration_size", "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size"):
         values[key] = rec.get(key, device_type)
     search = rec.values.get("search") or {}
     parallel = search.get("parallel", 1)
@@ -83,7 +85,11 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     values.update(overrides or {})  # explicit values that may be None ("all")
     if values.get("scorer") not in SCORE_KEYS:
         raise UserError(f"unknown scorer {values.get('scorer')!r}; choose one of: {', '.join(SCORE_KEYS)}")
-    Budget.parse(values["budget"])  # fail before any model loads
+    # Which metric the budget limits: an explicit --metric (a contradicting unit is an error); else the budget's
+    # own unit (1% -> mmlu, 0.05nat -> kl); else the recipe's metric. Checked before any model loads.
+    explicit = flags.get("metric")
+    has_unit = bool(re.search(r"[a-z%]\s*$", str(values["budget"]).strip().lower()))
+    values["metric"] = Budget.parse(values["budget"], explicit or (None if has_unit else values.get("metric"))).metric
     s = Settings(model=model, recipe=rec, **{k: v for k, v in values.items() if k in Settings.__dataclass_fields__})
     s._loaded.update(source=source, config=config)
     # Read the data now: a bad path or file fails in seconds, before the weights load.
@@ -130,8 +136,8 @@ def echo(msg: str, err: bool = True, **style) -> None:
     click.secho(msg, err=err, **style)
 
 
-def warn_chance(result: EvalResult) -> str | None:
-    w = chance_warning(result)
+def warn_chance(result: EvalResult, metric: str = "mmlu") -> str | None:
+    w = chance_warning(result, metric)
     if w:
         echo("WARNING: " + w, fg="red", bold=True)
     return w
@@ -221,7 +227,7 @@ def run_prune(settings: Settings, out: Path, force: bool) -> PruneRun:
 def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     started = time.time()
     stage = staged.path
-    budget = Budget.parse(settings.budget)
+    budget = Budget.parse(settings.budget, settings.metric)
     lm = load(settings)
     work = Work(lm, settings, staged)
     data = load_questions(settings)
@@ -238,14 +244,15 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
         return work.evaluate(enc, work.verification_target(heads), label)
 
     baseline = evaluate_heads(HeadSet(), "unablated")
-    warning = warn_chance(baseline)
+    warning = warn_chance(baseline, budget.metric)
     echo(f"unablated MMLU accuracy {100 * baseline.accuracy:.2f}% on {len(baseline.questions)} questions")
 
     def on_point(p) -> None:
         if p.num_heads:
             mark = "within budget" if p.within_budget else "over budget"
             echo(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%): {100 * p.accuracy:6.2f}%  "
-                 f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  {mark}")
+                 f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  "
+                 f"KL {p.kl:.4f} nat  agree {100 * p.agreement:5.1f}%  {mark}")
 
     ranking = scores.ranking(settings.scorer)
     search = search_budget(ranking, evaluate_heads, baseline, budget, settings.grid, settings.patience,
@@ -269,13 +276,16 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
         "mmlu": {"source": data.source, "questions": len(enc), "subjects": len(enc.subjects),
                  "skipped_rows": data.skipped_rows, "exemplars": data.exemplar_source,
                  "fast_path_questions": sum(it.fast for it in enc.items)},
-        "budget": {"text": settings.budget, "points": budget.points,
-                   "definition": "ablated MMLU accuracy at most this many points below the unablated model on the same questions"},
+        "budget": {"text": settings.budget, "metric": budget.metric, "points": budget.points,
+                   "definition": ("mean KL(unablated || ablated) over the four answer letters of the MMLU prompts, at most "
+                                  "this many nats") if budget.metric == "kl" else
+                                 "ablated MMLU accuracy at most this many points below the unablated model on the same questions"},
         "scorer": settings.scorer,
         **scores_payload(scores, settings, calib),
         "baseline": accuracy_summary(baseline),
         "final": {**accuracy_summary(chosen_result),
-                  **chosen_delta.to_json(), "num_heads_removed": len(chosen), "fraction_removed": round(len(chosen) / total, 6),
+                  **chosen_delta.to_json(), "kl_answer_nats": round(float(answer_kl(chosen_result, baseline).mean()), 6),
+                  "agreement": round(agreement(chosen_result, baseline), 6), "num_heads_removed": len(chosen), "fraction_removed": round(len(chosen) / total, 6),
                   "gqa": settings.gqa},
         "points": points,
         "heads": chosen.to_json(),
@@ -289,7 +299,7 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     plots.score_heatmap(scores.mean(settings.scorer), settings.scorer, chosen, stage / "scores_heatmap.png",
                         f"{lm.source.spec}: {settings.scorer} (red: {len(chosen)} removed heads)")
     plots.search_curve(points, baseline.accuracy, budget.points, stage / "accuracy_vs_heads.png",
-                       f"{lm.source.spec}: MMLU vs heads ablated by {settings.scorer}")
+                       f"{lm.source.spec}: MMLU vs heads ablated by {settings.scorer}", metric=budget.metric)
     if settings.export:
         from exporters.export import export_pruned
 
@@ -333,13 +343,12 @@ def balance_groups(lm, scores, settings, heads, evaluate_heads, baseline, budget
     while True:
         selection = balanced_selection(heads, layouts, scores.mean(settings.scorer), dormant_low, per_layer)
         result = evaluate_heads(selection, f"balanced {len(selection)} heads")
-        delta = paired_delta(result, baseline)
-        ok = budget.allows(delta)
+        delta, kl, agree, ok = judge(budget, result, baseline)
         echo(f"  balanced selection: {len(selection)} heads, delta {delta.delta:+.2f} pt ({'within' if ok else 'over'} budget)")
         from .search import SearchPoint
 
         search.points.append(SearchPoint(len(selection), len(selection) / sum(lay.num_heads for lay in layouts),
-                                         selection, result.accuracy, delta, ok, "balanced", result))
+                                         selection, result.accuracy, delta, ok, "balanced", result, kl, agree))
         if ok or not selection:
             return selection, result, delta
         worst = max(per_layer, key=lambda i: per_layer[i])

@@ -41,9 +41,13 @@ def score_heatmap(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path, t
     return _save(fig, path)
 
 
-def search_curve(points: list[dict], baseline_accuracy: float, budget_points: float, path: Path, title: str = "") -> Path:
-    """MMLU accuracy vs % of heads ablated, with the per-point 95% CI of the paired difference."""
+def search_curve(points: list[dict], baseline_accuracy: float, budget_points: float, path: Path, title: str = "",
+                 metric: str = "mmlu") -> Path:
+    """MMLU accuracy vs % of heads ablated, with the per-point 95% CI of the paired difference; with the kl metric,
+    a second panel shows the answer KL that the budget limits."""
     pts = sorted(points, key=lambda p: p["fraction"])
+    if metric == "kl":
+        return _kl_curve(pts, budget_points, path, title)
     x = [100 * p["fraction"] for p in pts]
     y = [100 * p["accuracy"] for p in pts]
     base = 100 * baseline_accuracy
@@ -66,4 +70,26 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
     ax.set_title(title or "accuracy vs heads removed", fontsize=10)
     ax.legend(fontsize=8, loc="lower left")
     ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str) -> Path:
+    x = [100 * p["fraction"] for p in pts]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.0))
+    ax1.plot(x, [p["kl_answer_nats"] for p in pts], "o-", color="tab:purple", label="mean answer KL")
+    ax1.axhline(budget_nats, color="tab:red", linestyle=":", label=f"budget ({budget_nats:g} nat)")
+    ax1.set_xlabel("% of heads ablated (dormant first)")
+    ax1.set_ylabel("KL(unablated || ablated), nats")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    ax2.plot(x, [100 * p["accuracy"] for p in pts], "o-", color="tab:blue", label="accuracy")
+    ax2.plot(x, [100 * p["agreement"] for p in pts], "s--", color="tab:green", label="agreement with unablated")
+    ax2.set_xlabel("% of heads ablated (dormant first)")
+    ax2.set_ylabel("%")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    chosen = [p for p in pts if p.get("chosen")]
+    if chosen:
+        ax1.plot([100 * chosen[0]["fraction"]], [chosen[0]["kl_answer_nats"]], "*", color="tab:red", markersize=14)
+    fig.suptitle(title or "answer KL vs heads removed", fontsize=10)
     return _save(fig, path)

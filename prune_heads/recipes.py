@@ -13,7 +13,7 @@ import yaml
 
 from .errors import UserError
 
-KEYS = {"name", "match", "scorer", "budget", "dtype", "calibration_size", "max_length", "mmlu_per_subject",
+KEYS = {"name", "match", "scorer", "budget", "metric", "dtype", "calibration_size", "max_length", "mmlu_per_subject",
         "mmlu_subjects", "batch_size", "search"}
 PER_DEVICE_KEYS = ("mmlu_per_subject", "batch_size")
 

@@ -36,14 +36,17 @@ def accuracy_summary(result: EvalResult) -> dict:
     }
 
 
-def chance_warning(result: EvalResult) -> str | None:
+def chance_warning(result: EvalResult, metric: str = "mmlu") -> str | None:
     if not indistinguishable_from_chance(result):
         return None
     s = accuracy_summary(result)
+    consequence = ("an accuracy budget on this model verifies nothing (the kl budget in use still measures how far "
+                   "ablation moves its answers)" if metric == "kl" else
+                   "an accuracy budget on this model verifies nothing; consider --budget 0.05nat (--metric kl)")
     return (
         f"the unablated model scores {100 * s['accuracy']:.1f}% on {s['n']} MMLU questions (95% CI "
         f"{100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f}%), which cannot be told apart from chance (25%): "
-        "an accuracy budget on this model verifies nothing"
+        + consequence
     )
 
 

@@ -12,37 +12,60 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import UserError
-from .evaluation import EvalResult, PairedDelta, paired_delta
+from .evaluation import EvalResult, PairedDelta, agreement, answer_kl, paired_delta
 from .heads import HeadSet
 
 DEFAULT_GRID = (0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50)
 
 
+METRICS = ("mmlu", "kl")
+
+
 @dataclass(frozen=True)
 class Budget:
-    """At most ``points`` accuracy points below the unablated model on the same questions."""
+    """``mmlu``: at most ``points`` accuracy points below the unablated model on the same questions.
+    ``kl``: at most ``points`` nats of mean KL divergence from the unablated model's distribution over the four
+    answer letters (it measures damage even on a model that answers at chance)."""
 
     points: float
+    metric: str = "mmlu"
 
     @staticmethod
-    def parse(text: str | float) -> "Budget":
+    def parse(text: str | float, metric: str | None = None) -> "Budget":
         raw = str(text).strip().lower()
-        m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(%|pt|pts|points?)?", raw)
+        m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(%|pt|pts|points?|nats?)?", raw)
         if not m:
             raise UserError(
                 f"--budget {text!r} is not a budget; write accuracy points as 1%, 0.5 or 2pt (at most that many points "
-                "below the unablated model)"
+                "below the unablated model), or nats of answer KL as 0.05nat"
             )
-        value = float(m.group(1))
-        if value < 0 or value > 100:
+        value, unit = float(m.group(1)), m.group(2) or ""
+        unit_metric = "kl" if unit.startswith("nat") else ("mmlu" if unit else None)
+        if metric and unit_metric and metric != unit_metric:
+            raise UserError(f"--budget {text!r} is in {'nats' if unit_metric == 'kl' else 'accuracy points'}, but "
+                            f"--metric is {metric}; use --metric {unit_metric} or a budget in "
+                            f"{'nats (0.05nat)' if metric == 'kl' else 'points (1%)'}")
+        metric = metric or unit_metric or "mmlu"
+        if metric not in METRICS:
+            raise UserError(f"--metric {metric!r} is not one of {', '.join(METRICS)}")
+        if value < 0 or (metric == "mmlu" and value > 100):
             raise UserError(f"--budget {text!r} is out of range; it must be between 0 and 100 accuracy points")
-        return Budget(value)
+        return Budget(value, metric)
 
-    def allows(self, delta: PairedDelta) -> bool:
+    def allows(self, delta: PairedDelta, kl: float = 0.0) -> bool:
+        if self.metric == "kl":
+            return kl <= self.points + 1e-12
         return delta.delta >= -self.points - 1e-9
 
     def __str__(self) -> str:
-        return f"{self.points:g} accuracy points"
+        return f"{self.points:g} nats of answer KL" if self.metric == "kl" else f"{self.points:g} accuracy points"
+
+
+def judge(budget: Budget, result: EvalResult, baseline: EvalResult) -> tuple[PairedDelta, float, float, bool]:
+    """(paired accuracy delta, mean answer KL in nats, answer agreement, within budget) of one evaluation."""
+    delta = paired_delta(result, baseline)
+    kl = float(answer_kl(result, baseline).mean())
+    return delta, kl, agreement(result, baseline), budget.allows(delta, kl)
 
 
 @dataclass
@@ -55,6 +78,8 @@ class SearchPoint:
     within_budget: bool
     stage: str  # "baseline" | "grid" | "refine"
     result: EvalResult = field(repr=False, compare=False, default=None)  # per-question results (not in to_json)
+    kl: float = 0.0  # mean KL(unablated || ablated) over the four answer letters, nats
+    agreement: float = 1.0  # share of questions answered as the unablated model does
 
     def to_json(self) -> dict:
         return {
@@ -62,6 +87,8 @@ class SearchPoint:
             "fraction": round(self.fraction, 6),
             "accuracy": round(self.accuracy, 6),
             **self.delta.to_json(),
+            "kl_answer_nats": round(self.kl, 6),
+            "agreement": round(self.agreement, 6),
             "within_budget": self.within_budget,
             "stage": self.stage,
         }
@@ -108,8 +135,8 @@ def search_budget(
             return done[k]
         heads = HeadSet.from_pairs(ranking[:k])
         res = baseline if k == 0 else precomputed.pop(k, None) or evaluate_heads(heads, f"{k}/{total} heads off")
-        delta = paired_delta(res, baseline)
-        p = SearchPoint(k, k / total, heads, res.accuracy, delta, budget.allows(delta), stage, res)
+        delta, kl, agree, ok = judge(budget, res, baseline)
+        p = SearchPoint(k, k / total, heads, res.accuracy, delta, ok, stage, res, kl, agree)
         done[k] = p
         result.points.append(p)
         if on_point:

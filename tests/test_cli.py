@@ -62,6 +62,20 @@ def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):
     assert code == 2 and "not empty" in err and "--force" in err
 
 
+def test_main_command_with_kl_budget(model_dir, mmlu_file, tmp_path, capsys):
+    out = tmp_path / "kl"
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu_file, "--out", out, "--calibration-size", "4",
+                            "--no-progress", "--budget", "0.01nat", "--no-export"], capsys)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["budget"]["metric"] == "kl" and report["budget"]["points"] == 0.01
+    for p in report["points"]:
+        assert p["within_budget"] == (p["kl_answer_nats"] <= 0.01)
+        assert 0 <= p["agreement"] <= 1
+    assert report["points"][0]["kl_answer_nats"] == 0 and report["points"][0]["agreement"] == 1
+    assert not (out / "model.safetensors").exists()  # --no-export
+
+
 def test_score_and_eval_subcommands(model_dir, mmlu_file, tmp_path, capsys):
     code, _, err = run_cli(["score", "--model", model_dir, "--mmlu", mmlu_file, "--out", tmp_path / "s",
                             "--calibration-size", "3", "--no-progress"], capsys)

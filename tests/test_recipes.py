@@ -29,3 +29,23 @@ def test_user_recipe_file_overrides_and_bad_keys_fail(tmp_path):
         load_recipe(str(p))
     with pytest.raises(UserError, match="neither a file nor a built-in"):
         load_recipe("nope")
+
+
+def test_budget_unit_beats_recipe_metric_but_explicit_metric_conflicts(tmp_path):
+    from prune_heads.pipeline import resolve_settings
+    from tiny import tiny_model
+
+    lm = tiny_model("llama")
+    model = tmp_path / "m"
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    from test_mmlu import _cais_file
+
+    mmlu = str(_cais_file(tmp_path))
+    recipe = tmp_path / "kl.yaml"
+    recipe.write_text("name: kl\nmetric: kl\nbudget: 0.02nat\n")
+    assert resolve_settings(str(model), str(recipe), mmlu=mmlu).metric == "kl"
+    assert resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="1%").metric == "mmlu"
+    assert resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="0.1").metric == "kl"
+    with pytest.raises(UserError, match="but --metric is kl"):
+        resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="1%", metric="kl")

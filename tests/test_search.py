@@ -13,7 +13,7 @@ def test_budget_parses(text, points):
     assert Budget.parse(text).points == points
 
 
-@pytest.mark.parametrize("text", ["abc", "-1%", "1%%", "", "150%", "1 nat"])
+@pytest.mark.parametrize("text", ["abc", "-1%", "1%%", "", "150%", "1 bit"])
 def test_malformed_budget_is_a_user_error(text):
     with pytest.raises(UserError, match="budget"):
         Budget.parse(text)
@@ -59,3 +59,48 @@ def test_non_monotone_curve_takes_largest_passing_point():
                         patience=2, refine_steps=0)
     assert res.best.num_heads == 12
     assert not [p for p in res.points if p.num_heads == 8][0].within_budget
+
+
+@pytest.mark.parametrize("text,metric,expected", [("0.05nat", None, ("kl", 0.05)), ("0.1 nats", "kl", ("kl", 0.1)),
+                                                  ("0.2", "kl", ("kl", 0.2)), ("1%", None, ("mmlu", 1.0))])
+def test_kl_budgets(text, metric, expected):
+    b = Budget.parse(text, metric)
+    assert (b.metric, b.points) == expected
+
+
+def test_budget_unit_must_match_metric():
+    with pytest.raises(UserError, match="in nats, but --metric is mmlu"):
+        Budget.parse("0.05nat", "mmlu")
+    with pytest.raises(UserError, match="in accuracy points, but --metric is kl"):
+        Budget.parse("1%", "kl")
+
+
+def test_answer_kl_and_agreement_by_hand():
+    from prune_heads.evaluation import agreement, answer_kl
+
+    base = EvalResult(QS[:2], torch.log(torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])))
+    abl = EvalResult(QS[:2], torch.log(torch.tensor([[0.4, 0.4, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])) + 3.0)
+    kl = answer_kl(abl, base)  # the +3 shift cancels in the renormalisation over A-D
+    import math
+
+    assert kl[0].item() == pytest.approx(0.7 * math.log(0.7 / 0.4) + 0.1 * math.log(0.1 / 0.4))
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-12)
+    assert answer_kl(base, base).abs().max() == 0
+    assert agreement(abl, base) == 1.0  # argmax A for both rows (ties break to the first letter)
+
+
+def test_kl_budget_drives_the_search():
+    ranking = [(0, i) for i in range(40)]
+
+    def evaluate(heads, label):
+        k = len(heads)
+        ll = torch.zeros(N, 4)
+        ll[:, 0] = 2.0 - 0.1 * k  # answers stay the same, confidence drops with every head removed
+        return EvalResult(QS, ll)
+
+    base = evaluate(HeadSet(), "")
+    res = search_budget(ranking, evaluate, base, Budget(0.02, "kl"), grid=(0.1, 0.2, 0.3, 0.4), patience=1, refine_steps=3)
+    assert all(p.accuracy == base.accuracy for p in res.points)  # accuracy cannot see this damage
+    assert 0 < res.best.num_heads < 40 and res.best.kl <= 0.02
+    over = [p for p in res.points if not p.within_budget]
+    assert over and all(p.kl > 0.02 for p in over)
