@@ -299,7 +299,8 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     plots.score_heatmap(scores.mean(settings.scorer), settings.scorer, chosen, stage / "scores_heatmap.png",
                         f"{lm.source.spec}: {settings.scorer} (red: {len(chosen)} removed heads)")
     plots.search_curve(points, baseline.accuracy, budget.points, stage / "accuracy_vs_heads.png",
-                       f"{lm.source.spec}: MMLU vs heads ablated by {settings.scorer}", metric=budget.metric)
+                       f"{lm.source.spec}: {'answer KL' if budget.metric == 'kl' else 'MMLU'} vs heads ablated by "
+                       f"{settings.scorer}", metric=budget.metric)
     if settings.export:
         from exporters.export import export_pruned
 

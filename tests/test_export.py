@@ -203,3 +203,12 @@ def test_manifest_guards_incomplete_or_modified_exports(tmp_path):
     (tmp_path / MANIFEST).unlink()
     with pytest.raises(UserError, match="not a prune-heads export"):
         read_manifest(tmp_path)
+
+
+def test_a_per_layer_export_is_refused_as_input_with_a_clear_error(tmp_path):
+    from prune_heads.models import load_model
+
+    lm = tiny_model("qwen2")
+    export_pruned(lm, UNEVEN, tmp_path, layout="per-layer", log=lambda *a: None, progress=False)
+    with pytest.raises(UserError, match="different attention head counts per layer"):
+        load_model(str(tmp_path), trust_remote_code=True)
