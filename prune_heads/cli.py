@@ -204,6 +204,21 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: through the same clean-up path
 
 
+@cli.command()
+@click.argument("adapter_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--pruned", required=True, type=click.Path(file_okay=False, path_type=Path), help="The pruned export it must fit.")
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path), help="Where to write the sliced adapter.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out.")
+def adapt(adapter_dir, pruned, out, force):
+    """Slice a LoRA adapter trained on the unpruned base so it fits a pruned export (PeftModel.from_pretrained loads it)."""
+    from exporters.adapter import slice_adapter
+
+    from .fileio import StagedDirectory
+
+    with StagedDirectory(out, force) as staged:
+        slice_adapter(adapter_dir, pruned, staged.path, log=lambda m: click.secho(m, err=True, fg="green"))
+
+
 def main(argv: list[str] | None = None) -> None:
     import signal
 

@@ -81,7 +81,9 @@ class PrunePlan:
         return {
             "kind": self.kind,
             "layers": [
-                {"query_slots": list(lp.slots), "kv_slots": list(lp.kv_slots), "zero_output": sorted(lp.zero_output)}
+                {"query_slots": list(lp.slots), "kv_slots": list(lp.kv_slots), "zero_output": sorted(lp.zero_output),
+                 "original": {"num_heads": lp.layout.num_heads, "num_kv_heads": lp.layout.num_kv_heads,
+                              "head_dim": lp.layout.head_dim}}
                 for lp in self.layers
             ],
         }
