@@ -115,11 +115,13 @@ def _settings(kw: dict, **extra):
               help="exact: keep the selection, copy KV heads so groups stay equal; balanced: remove the same number "
                    "of heads from every KV group (re-verified against the budget).")
 @click.option("--no-export", is_flag=True, help="Stop after the search: report and heads.json, no pruned model.")
+@click.option("--adapter", type=click.Path(file_okay=False), help="A peft LoRA adapter of this base: score and verify "
+              "base+adapter, prune the base, and write the sliced adapter to OUT/adapter.")
 @click.option("--push-to", metavar="REPO", help="After a verified export, push it to this Hub repo (user/name).")
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, push_to, private, **kw):
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, adapter, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     within --budget, and write the report, heads.json and plots to --out.
 
@@ -132,7 +134,7 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa,
     from .pipeline import run_prune
 
     settings = _settings(kw, budget=budget, metric=metric, scorer=scorer, layout=layout, max_shard_size=max_shard_size, gqa=gqa,
-                         export=not no_export)
+                         export=not no_export, adapter=adapter)
     run_prune(settings, kw["out"], kw["force"])
     if push_to:
         if no_export:

@@ -15,6 +15,7 @@ from .data.calibration import load_calibration
 from .data.mmlu import MMLUData, load_mmlu
 from .errors import UserError
 from .evaluation import EncodedMMLU, EvalResult, agreement, answer_kl, encode, encode_mmlu, paired_delta
+from .cache import digest
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
@@ -55,6 +56,7 @@ class Settings:
     max_shard_size: str = "2GB"
     export: bool = True
     resume: bool = False
+    adapter: str | None = None  # peft LoRA adapter: score and verify base+adapter, prune the base, slice the adapter
     _loaded: dict = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
@@ -228,7 +230,10 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     started = time.time()
     stage = staged.path
     budget = Budget.parse(settings.budget, settings.metric)
-    lm = load(settings)
+    base_lm = load(settings)
+    # With --adapter, everything is scored and verified on the user's actual model (base with the adapter merged);
+    # the base is pruned and the adapter sliced to fit it.
+    lm = with_adapter_merged(base_lm, settings.adapter) if settings.adapter else base_lm
     work = Work(lm, settings, staged)
     data = load_questions(settings)
     enc = encode_mmlu(lm, data)
@@ -304,9 +309,16 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     if settings.export:
         from exporters.export import export_pruned
 
-        result = export_pruned(lm, chosen, stage, settings.layout, settings.max_shard_size, enc, baseline, chosen_result,
-                               {"scorer": settings.scorer, "budget": settings.budget, "warnings": report["warnings"]},
-                               settings.batch_size, settings.progress, log=echo, evaluate_exported=work.exported_evaluator(enc))
+        info = {"scorer": settings.scorer, "budget": settings.budget, "warnings": report["warnings"]}
+        if settings.adapter:  # the base export is checked on logits; MMLU is checked with the sliced adapter below
+            result = export_pruned(base_lm, chosen, stage, settings.layout, settings.max_shard_size, None, None, None,
+                                   info, settings.batch_size, settings.progress, log=echo)
+            report["adapter"] = export_sliced_adapter(lm, work, settings, stage, result.choice.plan, enc, baseline,
+                                                      chosen_result)
+        else:
+            result = export_pruned(lm, chosen, stage, settings.layout, settings.max_shard_size, enc, baseline, chosen_result,
+                                   info, settings.batch_size, settings.progress, log=echo,
+                                   evaluate_exported=work.exported_evaluator(enc))
         report["export"] = {"layout": result.choice.layout, "reason": result.choice.reason, "options": result.choice.options,
                             "stats": result.stats, "verification": result.verification, "mmlu": result.mmlu}
     report["cache"] = work.cache.stats
@@ -315,6 +327,59 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     what = "pruned model, report" if settings.export else "report"
     echo(f"{what}: {out}", fg="green")
     return PruneRun(lm, settings, scores, baseline, chosen, report, enc, evaluate_heads)
+
+
+def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
+    """A copy of the model with a peft adapter merged in (the base stays untouched for pruning)."""
+    import copy
+
+    from peft import PeftModel
+
+    from .fileio import sha256_file
+
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"--adapter {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
+    merged = PeftModel.from_pretrained(copy.deepcopy(lm.model), adapter_dir).merge_and_unload().eval()
+    source = copy.copy(lm.source)
+    source.fingerprint = f"{lm.source.fingerprint}+adapter:{sha256_file(weights)}"  # keys the cache apart
+    echo(f"adapter {adapter_dir} merged for scoring and verification")
+    return LoadedModel(merged, lm.tokenizer, lm.adapter, source, lm.dtype, lm.device, {"adapter": str(adapter_dir)})
+
+
+@torch.no_grad()
+def export_sliced_adapter(merged: LoadedModel, work: Work, settings: Settings, stage: Path, plan, enc, baseline,
+                          ablated) -> dict:
+    """Slice --adapter into stage/adapter, reload pruned base + sliced adapter, and check it against the verified
+    (merged, ablated) model: logits on sample prompts, then MMLU."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from exporters.adapter import slice_adapter
+    from exporters.export import LOGIT_RTOL, sample_prompts
+
+    from .ablation import ablate
+
+    out = slice_adapter(settings.adapter, stage, stage / "adapter", log=echo)
+    trust = (stage / "modeling_pruned.py").is_file()
+    base = AutoModelForCausalLM.from_pretrained(stage, dtype=merged.dtype, trust_remote_code=trust)
+    model = PeftModel.from_pretrained(base, out).merge_and_unload().to(merged.device).eval()
+    ids = sample_prompts(merged, enc).to(merged.device)
+    with ablate(merged, plan):
+        expected = merged.model(input_ids=ids).logits.float()
+    diff = float((model(input_ids=ids).logits.float() - expected).abs().max())
+    tol = LOGIT_RTOL.get(merged.dtype, 1e-4) * max(1.0, float(expected.abs().max()))
+    if not diff <= tol:
+        raise RuntimeError(f"pruned base + sliced adapter does not reproduce the verified model: max |logit diff| "
+                           f"{diff:.3g} > {tol:g} (please report this as a bug)")
+    reloaded = LoadedModel(model, merged.tokenizer, merged.adapter, merged.source, merged.dtype, merged.device)
+    result = work.evaluate(enc, None, "pruned base + sliced adapter", lm=reloaded,
+                           model_key={**work.model_key, "model": f"sliced-adapter:{digest(plan.to_json())}"})
+    echo(f"pruned base + sliced adapter: max |logit diff| {diff:.3g}, MMLU {100 * result.accuracy:.2f}%")
+    d = paired_delta(result, baseline)
+    return {"directory": "adapter", "max_abs_logit_diff": diff, "tolerance": tol,
+            "mmlu": {"n": len(result.questions), "accuracy": round(result.accuracy, 6), **d.to_json(),
+                     "agreement_with_verified": round(agreement(result, ablated), 6)}}
 
 
 def gqa_costs(lm, scores, settings, heads: HeadSet) -> dict:

@@ -74,3 +74,40 @@ def test_adapt_command_and_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["adapt", str(adapter_dir), "--pruned", str(tmp_path), "--out", str(tmp_path / "c")])
     assert e.value.code == 2 and "not a prune-heads export" in capsys.readouterr().err
+
+
+def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path, capsys):
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from test_mmlu import _cais_file
+
+    lm = tiny_model("qwen2")
+    adapter_dir, peft_model = _adapter(lm, tmp_path, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    model_dir = tmp_path / "base"
+    lm.model.save_pretrained(model_dir)
+    lm.tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(model_dir), "--adapter", str(adapter_dir), "--mmlu", str(_cais_file(tmp_path)), "--out", str(out),
+              "--calibration-size", "4", "--no-progress", "--budget", "5pt", "--mmlu-per-subject", "all"])
+    err = capsys.readouterr().err
+    assert e.value.code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["adapter"]["max_abs_logit_diff"] <= report["adapter"]["tolerance"]
+    assert report["adapter"]["mmlu"]["agreement_with_verified"] == 1.0
+    # The shipped base is the pruned *base* (no adapter merged in), and base + sliced adapter loads with peft.
+    trust = (out / "modeling_pruned.py").is_file()
+    base = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=trust)
+    full = PeftModel.from_pretrained(base, out / "adapter")
+    merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device)
+    from prune_heads.heads import HeadSet
+
+    from exporters.layouts import choose_layout
+
+    heads = HeadSet.load(out / "heads.json")
+    plan = choose_layout("auto", heads, merged.adapter.layouts(merged.model), merged.adapter, merged.config, 4).plan
+    with ablate(merged, plan):
+        assert torch.allclose(logits(full), logits(merged.model), atol=1e-4)
