@@ -207,6 +207,21 @@ def _terminate(signum, frame):
 
 
 @cli.command()
+@click.argument("model_a")
+@click.argument("model_b")
+@common_options
+def compare(model_a, model_b, **kw):
+    """Compare the attention behaviour of two models on the same texts: compare.json, compare.md, score_cdfs.png."""
+    from .pipeline import run_compare
+
+    if kw.get("model"):
+        raise UserError("compare takes the two models as arguments: prune-heads compare MODEL_A MODEL_B --out DIR")
+    settings_a = _settings({**kw, "model": model_a})
+    settings_b = _settings({**kw, "model": model_b})
+    run_compare(settings_a, settings_b, kw["out"], kw["force"])
+
+
+@cli.command()
 @click.argument("adapter_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--pruned", required=True, type=click.Path(file_okay=False, path_type=Path), help="The pruned export it must fit.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path), help="Where to write the sliced adapter.")

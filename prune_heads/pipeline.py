@@ -443,3 +443,35 @@ def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_
         write_json(staged.path / "heads.json", heads.to_json())
     echo(f"exported {len(heads)} removed heads ({result.choice.layout} layout): {out}", fg="green")
     return result
+
+
+def run_compare(settings_a: Settings, settings_b: Settings, out: Path, force: bool) -> dict:
+    """``prune-heads compare A B``: score both models on the same texts and compare their attention behaviour."""
+    from .compare import compare_tables, markdown
+    from .data.mmlu import build_prompt
+    from .fileio import write_text
+
+    with StagedDirectory(out, force) as staged:
+        if settings_a.calibration:
+            texts = load_calibration(settings_a.calibration, settings_a.calibration_size)
+        else:  # the same MMLU prompts, as text (each model tokenises them its own way), round-robin over subjects
+            data = load_questions(settings_a)
+            texts, depth = [], 0
+            while len(texts) < settings_a.calibration_size and any(depth < len(s.questions) for s in data.subjects):
+                texts += [build_prompt(s, s.questions[depth]) for s in data.subjects if depth < len(s.questions)]
+                depth += 1
+            texts = texts[: settings_a.calibration_size]
+        tables, names = [], []
+        for settings in (settings_a, settings_b):
+            lm = load(settings)
+            work = Work(lm, settings, staged)
+            tables.append(work.scores([encode(lm, t)[: settings.max_length] for t in texts]))
+            names.append(lm.source.spec)
+            del lm, work
+        result = {"models": names, "texts": len(texts), **compare_tables(*tables)}
+        write_json(staged.path / "compare.json", result)
+        write_text(staged.path / "compare.md", markdown(result, *names))
+        plots.score_cdfs({k: tables[0].mean(k) for k in SCORE_KEYS}, {k: tables[1].mean(k) for k in SCORE_KEYS},
+                         names[0], names[1], list(SCORE_KEYS), staged.path / "score_cdfs.png")
+    echo(f"compared {names[0]} and {names[1]} on {len(texts)} texts: {out / 'compare.md'}", fg="green")
+    return result

@@ -93,3 +93,23 @@ def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str) -> Pa
         ax1.plot([100 * chosen[0]["fraction"]], [chosen[0]["kl_answer_nats"]], "*", color="tab:red", markersize=14)
     fig.suptitle(title or "answer KL vs heads removed", fontsize=10)
     return _save(fig, path)
+
+
+def score_cdfs(means_a: dict, means_b: dict, name_a: str, name_b: str, keys: list[str], path: Path) -> Path:
+    """Overlaid empirical CDFs of the per-head scores of two models, one panel per score function."""
+    cols = 5
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for values, name, color in ((means_a[key], name_a, "tab:blue"), (means_b[key], name_b, "tab:orange")):
+            v = values.double().flatten().sort().values.numpy()
+            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", color=color, label=name)
+        ax.set_title(key, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("per-head score distributions (empirical CDF)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
