@@ -205,6 +205,17 @@ def export_pruned(
     return ExportResult(choice, stats, verification, mmlu, meta)
 
 
+def check_logits(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, what: str) -> tuple[float, float]:
+    """(max |difference|, tolerance); a difference beyond tolerance is an error, not a warning."""
+    expected, got = expected.float(), got.float()
+    diff = float((got - expected).abs().max())
+    tol = LOGIT_RTOL.get(dtype, 1e-4) * max(1.0, float(expected.abs().max()))
+    if not diff <= tol:
+        raise RuntimeError(f"{what} does not reproduce the verified ablated model: max |logit diff| {diff:.3g} > "
+                           f"{tol:g}; nothing was published (please report this as a bug)")
+    return diff, tol
+
+
 @torch.no_grad()
 def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedMMLU | None, progress: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
@@ -215,13 +226,9 @@ def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: Encoded
     with ablate(lm, choice.plan):
         expected = lm.model(input_ids=ids).logits.float()
     got = reloaded(input_ids=ids).logits.float()
-    diff = float((got - expected).abs().max())
-    tol = LOGIT_RTOL.get(lm.dtype, 1e-4) * max(1.0, float(expected.abs().max()))
+    diff, tol = check_logits(expected, got, lm.dtype, f"the exported model in {out}")
     result = {"max_abs_logit_diff": diff, "tolerance": round(tol, 6), "prompts": int(ids.shape[0]), "tokens_per_prompt": int(ids.shape[1]),
               "dtype": str(lm.dtype).replace("torch.", ""), "argmax_agreement": float((got.argmax(-1) == expected.argmax(-1)).double().mean())}
-    if not diff <= tol:
-        raise RuntimeError(f"the exported model in {out} does not reproduce the verified ablated model: max |logit diff| "
-                           f"{diff:.3g} > {tol:g}; nothing was published (please report this as a bug)")
     result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source, lm.dtype, lm.device)
     return result
 

@@ -45,7 +45,6 @@ class ResultCache:
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
         self.stats = {"computed": 0, "loaded": 0, "corrupt": 0}
-        self.computed_keys: list[str] = []
 
     def _path(self, kind: str, key: dict) -> Path:
         return self.directory / f"{kind}-{digest(key)[:32]}.safetensors"
@@ -74,7 +73,6 @@ class ResultCache:
 
     def put(self, kind: str, key: dict, tensors: dict[str, torch.Tensor]) -> None:
         self.stats["computed"] += 1
-        self.computed_keys.append(f"{kind}:{digest(key)[:12]}")
         if not self.directory:
             return
         tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}

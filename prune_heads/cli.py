@@ -5,7 +5,6 @@ Bad input ends with a one-line ``error: ...`` naming the problem and the fix, an
 """
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -63,12 +62,7 @@ def common_options(f):
     ]
     for opt in reversed(options):
         f = opt(f)
-
-    @functools.wraps(f)
-    def wrapper(**kw):
-        return f(**kw)
-
-    return wrapper
+    return f
 
 
 def export_options(f):

@@ -186,31 +186,41 @@ def _expand_cache(cache, batch: int):
 
 
 @torch.no_grad()
-def _fast_subject(lm: LoadedModel, subject: EncodedSubject, rows: Sequence[int], batch_size: int) -> dict[int, list[float]]:
-    """Log-likelihoods for ``rows`` (indices into subject.items) under the ablation currently set."""
+def _fast_subject(lm: LoadedModel, subject: EncodedSubject, rows: Sequence[int], batch_size: int,
+                  abl: "HeadAblation | None" = None, masks: torch.Tensor | None = None) -> list[dict[int, list[float]]]:
+    """Log-likelihoods for ``rows`` (indices into subject.items), one dict per head set.
+
+    ``masks`` None: one set, the ablation the caller has already set. ``masks`` [n, L, H]: n static head sets in
+    the same passes (row ``s`` of the prefix batch carries set ``s``; question chunks are laid out set-major)."""
     model, dev = lm.model, lm.device
-    prefix = torch.tensor([subject.prefix], device=dev)
-    cache = model(input_ids=prefix, use_cache=True, logits_to_keep=1).cache
+    n = 1 if masks is None else masks.shape[0]
+    if masks is not None:
+        abl.set_mask(masks)
+    cache = model(input_ids=torch.tensor([subject.prefix] * n, device=dev), use_cache=True, logits_to_keep=1).cache
     p = len(subject.prefix)
     order = sorted(rows, key=lambda r: len(subject.items[r].context))
-    out: dict[int, list[float]] = {}
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    chunk_size = max(1, batch_size // n)
+    out: list[dict[int, list[float]]] = [{} for _ in range(n)]
+    for start in range(0, len(order), chunk_size):
+        chunk = order[start : start + chunk_size]
+        c = len(chunk)
         suffixes = [subject.items[r].context[p:] for r in chunk]
-        lengths = [len(s) for s in suffixes]
-        ids = torch.zeros(len(chunk), max(lengths), dtype=torch.long)
-        for row, s in enumerate(suffixes):
-            ids[row, : len(s)] = torch.tensor(s)
+        lengths = [len(x) for x in suffixes]
+        ids = torch.zeros(n * c, max(lengths), dtype=torch.long)
+        for s in range(n):
+            for q, x in enumerate(suffixes):
+                ids[s * c + q, : len(x)] = torch.tensor(x)
+        if masks is not None:
+            abl.set_mask(masks.repeat_interleave(c, dim=0))
         # Right padding needs no attention mask: under the causal mask, pads after a row's last real token
         # never reach it. Logits are computed only at the positions where some row ends.
-        ends = sorted(set(n - 1 for n in lengths))
-        keep = torch.tensor(ends, device=dev)
-        logits = model(
-            input_ids=ids.to(dev), cache=_expand_cache(cache, len(chunk)), use_cache=True, logits_to_keep=keep
-        ).logits  # [B, len(ends), V]
-        for row, r in enumerate(chunk):
-            lp = _logprobs_at(logits[row, ends.index(lengths[row] - 1)])
-            out[r] = [float(lp[c[0]]) for c in subject.items[r].continuations]
+        ends = sorted(set(m - 1 for m in lengths))
+        logits = model(input_ids=ids.to(dev), cache=_expand_cache(cache, c), use_cache=True,
+                       logits_to_keep=torch.tensor(ends, device=dev)).logits  # [n*c, len(ends), V]
+        for s in range(n):
+            for q, r in enumerate(chunk):
+                lp = _logprobs_at(logits[s * c + q, ends.index(lengths[q] - 1)])
+                out[s][r] = [float(lp[t[0]]) for t in subject.items[r].continuations]
     return out
 
 
@@ -252,7 +262,7 @@ def evaluate(
             for key, rows in groups.items():
                 abl.set_mask(group_mask[key])
                 fast_rows = [r for r in rows if subject.items[r].fast]
-                results = _fast_subject(lm, subject, fast_rows, batch_size) if fast_rows else {}
+                results = _fast_subject(lm, subject, fast_rows, batch_size)[0] if fast_rows else {}
                 for r in rows:
                     ll = results[r] if r in results else _reference_loglik(lm, subject.items[r])
                     loglik[offset + r] = torch.tensor(ll)
@@ -328,35 +338,14 @@ def evaluate_many(
     n = len(head_sets)
     masks = torch.stack([mask_for(lm, hs) for hs in head_sets])  # [n, L, H]
     loglik = torch.zeros(n, len(enc), 4, dtype=torch.float64)
-    chunk = max(1, batch_size // n) if n <= batch_size else 1
     offset = 0
-    model, dev = lm.model, lm.device
     with HeadAblation(lm) as abl:
         for subject in tqdm(enc.subjects, desc=f"MMLU {label}".strip(), unit="subject", disable=not progress, leave=False):
             fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
             if fast_rows:
-                abl.set_mask(masks)
-                prefix = torch.tensor([subject.prefix] * n, device=dev)
-                cache = model(input_ids=prefix, use_cache=True, logits_to_keep=1).cache
-                p = len(subject.prefix)
-                order = sorted(fast_rows, key=lambda r: len(subject.items[r].context))
-                for start in range(0, len(order), chunk):
-                    rows = order[start:start + chunk]
-                    c = len(rows)
-                    suffixes = [subject.items[r].context[p:] for r in rows]
-                    lengths = [len(x) for x in suffixes]
-                    ids = torch.zeros(n * c, max(lengths), dtype=torch.long)
-                    for s in range(n):  # set-major rows: row s*c + q
-                        for q, x in enumerate(suffixes):
-                            ids[s * c + q, : len(x)] = torch.tensor(x)
-                    abl.set_mask(masks.repeat_interleave(c, dim=0))
-                    ends = sorted(set(m - 1 for m in lengths))
-                    logits = model(input_ids=ids.to(dev), cache=_expand_cache(cache, c), use_cache=True,
-                                   logits_to_keep=torch.tensor(ends, device=dev)).logits
-                    for s in range(n):
-                        for q, r in enumerate(rows):
-                            lp = _logprobs_at(logits[s * c + q, ends.index(lengths[q] - 1)])
-                            loglik[s, offset + r] = torch.tensor([float(lp[t[0]]) for t in subject.items[r].continuations])
+                for s, results in enumerate(_fast_subject(lm, subject, fast_rows, batch_size, abl, masks)):
+                    for r, ll in results.items():
+                        loglik[s, offset + r] = torch.tensor(ll)
             for r, it in enumerate(subject.items):
                 if not it.fast:
                     for s in range(n):

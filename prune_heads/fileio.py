@@ -61,17 +61,6 @@ def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
     return write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def prepare_output_dir(out: str | os.PathLike, force: bool) -> Path:
-    """Create ``out``; refuse a non-empty one unless ``force`` (nothing the user had is overwritten silently)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"--out {out} is not empty; choose an empty directory or pass --force to overwrite its files")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 class StagedDirectory:
     """Write a whole output directory beside its final name, then rename it into place.
 

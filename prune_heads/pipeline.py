@@ -125,13 +125,17 @@ def calibration_sequences(lm: LoadedModel, settings: Settings, enc: EncodedMMLU 
             raise UserError(f"calibration file {settings.calibration} has no text of at least 2 tokens")
         return seqs, f"file {settings.calibration}"
     assert enc is not None
-    per_subject = [[it.context for it in s.items] for s in enc.subjects]
-    seqs: list[list[int]] = []
-    depth = 0
-    while len(seqs) < settings.calibration_size and any(depth < len(p) for p in per_subject):
-        seqs += [p[depth] for p in per_subject if depth < len(p)]
+    seqs = round_robin([[it.context for it in s.items] for s in enc.subjects], settings.calibration_size)
+    return seqs, "MMLU 5-shot prompts (the verification questions)"
+
+
+def round_robin(per_subject: list[list], n: int) -> list:
+    """The first ``n`` items taking one from each subject in turn: a small sample still covers every subject."""
+    out, depth = [], 0
+    while len(out) < n and any(depth < len(items) for items in per_subject):
+        out += [items[depth] for items in per_subject if depth < len(items)]
         depth += 1
-    return seqs[: settings.calibration_size], "MMLU 5-shot prompts (the verification questions)"
+    return out[:n]
 
 
 def echo(msg: str, err: bool = True, **style) -> None:
@@ -356,7 +360,7 @@ def export_sliced_adapter(merged: LoadedModel, work: Work, settings: Settings, s
     from transformers import AutoModelForCausalLM
 
     from exporters.adapter import slice_adapter
-    from exporters.export import LOGIT_RTOL, sample_prompts
+    from exporters.export import check_logits, sample_prompts
 
     from .ablation import ablate
 
@@ -367,11 +371,7 @@ def export_sliced_adapter(merged: LoadedModel, work: Work, settings: Settings, s
     ids = sample_prompts(merged, enc).to(merged.device)
     with ablate(merged, plan):
         expected = merged.model(input_ids=ids).logits.float()
-    diff = float((model(input_ids=ids).logits.float() - expected).abs().max())
-    tol = LOGIT_RTOL.get(merged.dtype, 1e-4) * max(1.0, float(expected.abs().max()))
-    if not diff <= tol:
-        raise RuntimeError(f"pruned base + sliced adapter does not reproduce the verified model: max |logit diff| "
-                           f"{diff:.3g} > {tol:g} (please report this as a bug)")
+    diff, tol = check_logits(expected, model(input_ids=ids).logits, merged.dtype, "pruned base + sliced adapter")
     reloaded = LoadedModel(model, merged.tokenizer, merged.adapter, merged.source, merged.dtype, merged.device)
     result = work.evaluate(enc, None, "pruned base + sliced adapter", lm=reloaded,
                            model_key={**work.model_key, "model": f"sliced-adapter:{digest(plan.to_json())}"})
@@ -456,11 +456,8 @@ def run_compare(settings_a: Settings, settings_b: Settings, out: Path, force: bo
             texts = load_calibration(settings_a.calibration, settings_a.calibration_size)
         else:  # the same MMLU prompts, as text (each model tokenises them its own way), round-robin over subjects
             data = load_questions(settings_a)
-            texts, depth = [], 0
-            while len(texts) < settings_a.calibration_size and any(depth < len(s.questions) for s in data.subjects):
-                texts += [build_prompt(s, s.questions[depth]) for s in data.subjects if depth < len(s.questions)]
-                depth += 1
-            texts = texts[: settings_a.calibration_size]
+            texts = round_robin([[build_prompt(s, q) for q in s.questions] for s in data.subjects],
+                                settings_a.calibration_size)
         tables, names = [], []
         for settings in (settings_a, settings_b):
             lm = load(settings)

@@ -10,7 +10,7 @@ from prune_heads.ablation import ablate
 from prune_heads.cli import main
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
-from test_export import IDS, UNEVEN, logits
+from test_export import UNEVEN, logits
 from tiny import tiny_model
 
 
