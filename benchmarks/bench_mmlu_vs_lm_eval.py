@@ -19,7 +19,7 @@ import torch
 
 from _common import machine, result, timed
 from prune_heads.data.mmlu import LETTERS, load_mmlu
-from prune_heads.evaluation import encode_mmlu, evaluate
+from prune_heads.evaluation import encode_task, evaluate
 from prune_heads.models import load_model
 
 TASK = """task: {task}
@@ -72,8 +72,8 @@ def main() -> None:
 
     lm = load_model(args.model, args.dtype, args.device)
     data = load_mmlu().subset(args.per_subject, subjects=args.subjects)
-    enc = encode_mmlu(lm, data)
-    evaluate(lm, encode_mmlu(lm, data.subset(1, subjects=1)), None, progress=False)  # warm-up
+    enc = encode_task(lm, data)
+    evaluate(lm, encode_task(lm, data.subset(1, subjects=1)), None, progress=False)  # warm-up
     t_ours, ours = timed(lambda: evaluate(lm, enc, None, args.batch_size, progress=False))
 
     tmp = Path(tempfile.mkdtemp())

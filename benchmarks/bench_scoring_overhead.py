@@ -13,7 +13,7 @@ import torch
 
 from _common import machine, result, timed
 from prune_heads.data.mmlu import load_mmlu
-from prune_heads.evaluation import encode_mmlu
+from prune_heads.evaluation import encode_task
 from prune_heads.models import load_model
 from prune_heads.scoring import score_heads
 
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     lm = load_model(args.model, args.dtype, args.device)
-    enc = encode_mmlu(lm, load_mmlu().subset(1, subjects=args.inputs))
+    enc = encode_task(lm, load_mmlu().subset(1, subjects=args.inputs))
     seqs = [it.context for it in enc.items][: args.inputs]
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
 

@@ -20,7 +20,7 @@ import torch
 from prune_heads import __version__
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
-from prune_heads.evaluation import EncodedMMLU, EvalResult, evaluate, paired_delta
+from prune_heads.evaluation import EncodedTask, EvalResult, evaluate, paired_delta
 from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
@@ -65,7 +65,7 @@ def _head_dim(model) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def sample_prompts(lm: LoadedModel, enc: EncodedMMLU | None, n: int = 4, length: int = 96) -> torch.Tensor:
+def sample_prompts(lm: LoadedModel, enc: EncodedTask | None, n: int = 4, length: int = 96) -> torch.Tensor:
     """A few real prompts (MMLU contexts, truncated) for the logit comparison; token ids 0.. otherwise."""
     if enc is not None and len(enc):
         seqs = [it.context[-length:] for it in enc.items[:n]]
@@ -89,7 +89,7 @@ def export_pruned(
     out: Path,
     layout: str = "auto",
     max_shard_size: str = "2GB",
-    enc: EncodedMMLU | None = None,
+    enc: EncodedTask | None = None,
     baseline: EvalResult | None = None,
     ablated: EvalResult | None = None,
     info: dict | None = None,
@@ -217,7 +217,7 @@ def check_logits(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, 
 
 
 @torch.no_grad()
-def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedMMLU | None, progress: bool = False) -> dict:
+def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedTask | None, progress: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     trust = choice.layout == "per-layer"  # our own modelling file, written a moment ago

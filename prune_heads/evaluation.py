@@ -1,15 +1,18 @@
-"""MMLU 5-shot log-likelihood evaluation, as lm-evaluation-harness computes it, with and without ablation.
+"""Multiple-choice log-likelihood evaluation (MMLU 5-shot and the other tasks of data/tasks.py), as
+lm-evaluation-harness computes it, with and without ablation.
 
-Tokenisation follows lm-eval's HFLM: ``context_enc = enc(context)``, ``continuation_enc =
-enc(context + " A")[len(context_enc):]``, no special tokens (BOS only where the family needs it), and the
-model reads ``(context_enc + continuation_enc)[:-1]``.
+Tokenisation follows lm-eval's HFLM: trailing spaces of the context move to the continuation, ``context_enc =
+enc(context)``, ``continuation_enc = enc(context + continuation)[len(context_enc):]``, no special tokens (BOS only
+where the family needs it), and the model reads ``(context_enc + continuation_enc)[:-1]``.
 
-Two paths compute the same numbers:
+Three paths compute the same numbers:
 - ``evaluate_reference``: one full sequence per question and choice, nothing shared (the definition);
-- ``evaluate``: within a subject every prompt starts with the same description and five exemplars, so their
-  KV cache is computed once per subject and ablation mask, and only the question tokens run on top of it, in
-  batches; only the answer position's logits are computed. Questions whose tokens do not extend the prefix
-  tokens, or whose answers are not single tokens, go through the reference path.
+- ``evaluate``, fast path: within a subject every MMLU prompt starts with the same description and five
+  exemplars, so their KV cache is computed once per subject and ablation mask, and only the question tokens run on
+  top of it, in batches; only the answer position's logits are computed;
+- ``evaluate``, batched path: questions whose tokens do not extend a shared prefix or whose answers span several
+  tokens (the cloze tasks), and per-question ablation masks (dynamic ablation): every (context, continuation)
+  request in right-padded batches, each row with its own mask, logits only at the continuation positions.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .ablation import HeadAblation, mask_for
-from .data.mmlu import LETTERS, MMLUData, MMLUQuestion, build_prompt, fewshot_prefix
+from .data.tasks import LETTERS, TASKS, Question, TaskData
 from .heads import HeadSet
 from .models.loading import LoadedModel
 from .pruning import PrunePlan
@@ -35,12 +38,25 @@ def encode(lm: LoadedModel, text: str) -> list[int]:
     return ids
 
 
+def encode_pair(lm: LoadedModel, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's ``_encode_pair``: trailing spaces of the context belong to the continuation."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+    context_enc = encode(lm, context)
+    return context_enc, encode(lm, context + continuation)[len(context_enc):]
+
+
 @dataclass
 class EncodedQuestion:
-    question: MMLUQuestion
-    context: list[int]
-    continuations: list[list[int]]  # one per letter
+    question: Question
+    context: list[int]  # the context of every choice (WinoGrande: of the first; see contexts)
+    continuations: list[list[int]]  # one per choice
     fast: bool  # context extends the subject prefix and every continuation is one token
+    contexts: list[list[int]] | None = None  # one per choice where they differ (WinoGrande's partial evaluation)
+
+    def request(self, choice: int) -> tuple[list[int], list[int]]:
+        return (self.contexts[choice] if self.contexts else self.context), self.continuations[choice]
 
 
 @dataclass
@@ -51,12 +67,17 @@ class EncodedSubject:
 
 
 @dataclass
-class EncodedMMLU:
+class EncodedTask:
     subjects: list[EncodedSubject]
+    task: str = "mmlu"
 
     @property
     def items(self) -> list[EncodedQuestion]:
         return [it for s in self.subjects for it in s.items]
+
+    @property
+    def num_choices(self) -> int:
+        return max((len(it.continuations) for it in self.items), default=4)
 
     def __len__(self) -> int:
         return sum(len(s.items) for s in self.subjects)
@@ -71,41 +92,55 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def encode_mmlu(lm: LoadedModel, data: MMLUData) -> EncodedMMLU:
+def encode_task(lm: LoadedModel, data: TaskData) -> EncodedTask:
+    fmt = TASKS[data.task]
     subjects = []
     for subject in data.subjects:
-        prefix_text = encode(lm, fewshot_prefix(subject))
-        items, shared = [], len(prefix_text)
+        prefix_text = fmt.prefix(subject)
+        prefix = encode(lm, prefix_text) if prefix_text else []
+        items, shared = [], len(prefix)
         for q in subject.questions:
-            context_text = build_prompt(subject, q)
-            context = encode(lm, context_text)
-            conts = [encode(lm, context_text + " " + letter)[len(context) :] for letter in LETTERS]
-            items.append(EncodedQuestion(q, context, conts, all(len(c) == 1 for c in conts)))
+            pairs = [encode_pair(lm, c, cont) for c, cont in fmt.requests(subject, q)]
+            contexts = [p[0] for p in pairs]
+            same = all(c == contexts[0] for c in contexts)
+            item = EncodedQuestion(q, contexts[0], [p[1] for p in pairs], same and all(len(p[1]) == 1 for p in pairs),
+                                   None if same else contexts)
+            items.append(item)
             # The prefix's last tokens can merge differently once the question follows ("\n\n" vs "\n","\n"), so
             # share only the tokens every context really starts with.
-            shared = min(shared, _common_prefix_len(prefix_text, context), len(context) - 1)
+            shared = min(shared, _common_prefix_len(prefix, item.context), len(item.context) - 1)
         for it in items:
             it.fast = it.fast and shared > 0
-        subjects.append(EncodedSubject(subject.name, prefix_text[: max(shared, 0)], items))
-    return EncodedMMLU(subjects)
+        subjects.append(EncodedSubject(subject.name, prefix[: max(shared, 0)], items))
+    return EncodedTask(subjects, data.task)
 
 
 @dataclass
 class EvalResult:
-    """Per-question log-likelihoods of the four answers, in question order."""
+    """Per-question log-likelihoods of the choices, in question order (-inf pads questions with fewer choices)."""
 
-    questions: list[MMLUQuestion]
-    loglik: torch.Tensor  # [N, 4] float64
+    questions: list[Question]
+    loglik: torch.Tensor  # [N, C] float64
     label: str = ""
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # extra measurements of the same ablation (kl_text: next-token KL)
 
     @property
     def gold(self) -> torch.Tensor:
         return torch.tensor([q.gold for q in self.questions])
 
     @property
+    def scores(self) -> torch.Tensor:
+        """What the prediction maximises: the log-likelihood (acc), or per character of the choice (acc_norm)."""
+        if not self.questions or self.questions[0].norm_lengths is None:
+            return self.loglik
+        lengths = torch.ones_like(self.loglik)
+        for i, q in enumerate(self.questions):
+            lengths[i, : len(q.norm_lengths)] = torch.tensor(q.norm_lengths, dtype=torch.float64).clamp(min=1.0)
+        return self.loglik / lengths
+
+    @property
     def pred(self) -> torch.Tensor:
-        return self.loglik.argmax(dim=-1)
+        return self.scores.argmax(dim=-1)
 
     @property
     def correct(self) -> torch.Tensor:
@@ -122,10 +157,18 @@ class EvalResult:
                 "index": q.index,
                 "gold": LETTERS[q.gold],
                 "pred": LETTERS[int(p)],
-                "loglik": [round(float(x), 6) for x in ll],
+                "loglik": [round(float(x), 6) for x in ll[: len(q.choices)]],
             }
             for q, p, ll in zip(self.questions, self.pred, self.loglik)
         ]
+
+
+def empty_loglik(enc: "EncodedTask", *leading: int) -> torch.Tensor:
+    return torch.full((*leading, len(enc), enc.num_choices), float("-inf"), dtype=torch.float64)
+
+
+def _store(loglik: torch.Tensor, row: int, values: Sequence[float]) -> None:
+    loglik[row, : len(values)] = torch.tensor(values, dtype=torch.float64)
 
 
 # A mask provider: None (no ablation), one HeadSet / PrunePlan / [L, H] tensor for every question, a
@@ -146,6 +189,11 @@ def _mask_getter(lm: LoadedModel, masks: MaskSpec) -> Callable[[int], torch.Tens
     return masks
 
 
+def _per_question(masks: MaskSpec) -> bool:
+    return callable(masks) and not isinstance(masks, (HeadSet, PrunePlan, torch.Tensor)) or (
+        isinstance(masks, torch.Tensor) and masks.dim() == 3)
+
+
 def _logprobs_at(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
 
@@ -155,27 +203,60 @@ def _reference_loglik(lm: LoadedModel, item: EncodedQuestion) -> list[float]:
     """The definition: for each choice, run (context + continuation)[:-1] and sum the continuation's log-probs."""
     seen: dict[tuple[int, ...], torch.Tensor] = {}
     out = []
-    for cont in item.continuations:
-        full = item.context + cont
+    for choice in range(len(item.continuations)):
+        context, cont = item.request(choice)
+        full = context + cont
         inp = tuple(full[:-1])
         if inp not in seen:
             logits = lm.model(input_ids=torch.tensor([inp], device=lm.device), use_cache=False).logits[0]
             seen[inp] = _logprobs_at(logits)
         lp = seen[inp]
-        start = len(item.context) - 1
+        start = len(context) - 1
         out.append(float(sum(lp[start + j, tok] for j, tok in enumerate(cont))))
     return out
 
 
-def evaluate_reference(lm: LoadedModel, enc: EncodedMMLU, masks: MaskSpec = None, progress: bool = False, label: str = "") -> EvalResult:
+def evaluate_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = None, progress: bool = False, label: str = "") -> EvalResult:
     get_mask = _mask_getter(lm, masks)
     items = enc.items
-    loglik = torch.zeros(len(items), 4, dtype=torch.float64)
+    loglik = empty_loglik(enc)
     with HeadAblation(lm) as abl:
         for i, item in enumerate(tqdm(items, desc="MMLU (reference)", disable=not progress)):
             abl.set_mask(get_mask(i))
-            loglik[i] = torch.tensor(_reference_loglik(lm, item))
+            _store(loglik, i, _reference_loglik(lm, item))
     return EvalResult([it.question for it in items], loglik, label)
+
+
+@torch.no_grad()
+def _batched_loglik(lm: LoadedModel, items: Sequence[EncodedQuestion], batch_size: int, abl=None,
+                    row_masks: Sequence[torch.Tensor] | None = None) -> list[list[float]]:
+    """Every (context, continuation) request of ``items`` in right-padded batches, longest first; with ``row_masks``
+    (one [L, H] mask per item) each row is ablated with its own question's mask. Logits are computed only at the
+    positions that predict continuation tokens."""
+    requests = []  # (item, choice, model input, continuation, position predicting its first token)
+    for i, it in enumerate(items):
+        for c in range(len(it.continuations)):
+            context, cont = it.request(c)
+            requests.append((i, c, (context + cont)[:-1], cont, len(context) - 1))
+    order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))
+    out = [[0.0] * len(it.continuations) for it in items]
+    dev = lm.device
+    for start in range(0, len(order), batch_size):
+        chunk = [requests[r] for r in order[start:start + batch_size]]
+        ids = torch.zeros(len(chunk), max(len(r[2]) for r in chunk), dtype=torch.long)
+        for row, r in enumerate(chunk):
+            ids[row, : len(r[2])] = torch.tensor(r[2])
+        if row_masks is not None:
+            abl.set_mask(torch.stack([row_masks[r[0]] for r in chunk]))
+        keep = sorted({r[4] + j for r in chunk for j in range(len(r[3]))})
+        where = {p: k for k, p in enumerate(keep)}
+        # Right padding needs no attention mask: under the causal mask, pads after a row's last real token never
+        # reach it.
+        logits = lm.model(input_ids=ids.to(dev), use_cache=False, logits_to_keep=torch.tensor(keep, device=dev)).logits
+        for row, (i, c, _, cont, first) in enumerate(chunk):
+            lp = _logprobs_at(logits[row, [where[first + j] for j in range(len(cont))]])  # [len(cont), V]
+            out[i][c] = float(lp[torch.arange(len(cont)), torch.tensor(cont)].sum())
+    return out
 
 
 def _expand_cache(cache, batch: int):
@@ -237,38 +318,53 @@ class _NoAblation:
 
 def evaluate(
     lm: LoadedModel,
-    enc: EncodedMMLU,
+    enc: EncodedTask,
     masks: MaskSpec = None,
     batch_size: int = 8,
     progress: bool = True,
     label: str = "",
 ) -> EvalResult:
-    """The fast path. ``masks`` as in MaskSpec; questions sharing a mask share one prefix pass."""
+    """``masks`` as in MaskSpec. One mask for every question: the fast path per subject (shared prefix), the batched
+    path for the questions it cannot take. A mask per question (dynamic ablation): the batched path, row by row."""
     get_mask = _mask_getter(lm, masks)
-    loglik = torch.zeros(len(enc), 4, dtype=torch.float64)
-    questions: list[MMLUQuestion] = []
-    offset = 0
-    desc = f"MMLU {label}".strip()
+    loglik = empty_loglik(enc)
+    items = enc.items
+    desc = f"{enc.task} {label}".strip()
     # No hooks at all when nothing is ablated (the model may not even have per-layer attention, e.g. skipped layers).
     with (HeadAblation(lm) if masks is not None else _NoAblation()) as abl:
-        for subject in tqdm(enc.subjects, desc=desc, unit="subject", disable=not progress, leave=False):
-            groups: dict[bytes | None, list[int]] = {}
-            group_mask: dict[bytes | None, torch.Tensor | None] = {}
-            for r, item in enumerate(subject.items):
-                m = get_mask(offset + r)
-                key = m if m is None or isinstance(m, PrunePlan) else m.detach().to(torch.float32).cpu().numpy().tobytes()
-                groups.setdefault(key, []).append(r)
-                group_mask[key] = m
-            for key, rows in groups.items():
-                abl.set_mask(group_mask[key])
-                fast_rows = [r for r in rows if subject.items[r].fast]
-                results = _fast_subject(lm, subject, fast_rows, batch_size)[0] if fast_rows else {}
-                for r in rows:
-                    ll = results[r] if r in results else _reference_loglik(lm, subject.items[r])
-                    loglik[offset + r] = torch.tensor(ll)
-            questions += [it.question for it in subject.items]
+        if _per_question(masks):
+            row_masks = [get_mask(i).to(torch.float32) for i in range(len(items))]
+            for i, ll in enumerate(_batched_all(lm, items, batch_size, abl, row_masks, progress, desc)):
+                _store(loglik, i, ll)
+            return EvalResult([it.question for it in items], loglik, label)
+        abl.set_mask(get_mask(0))
+        offset, slow = 0, []
+        for subject in tqdm(enc.subjects, desc=desc, unit="subject", disable=not progress or len(enc.subjects) < 2,
+                            leave=False):
+            fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
+            results = _fast_subject(lm, subject, fast_rows, batch_size)[0] if fast_rows else {}
+            for r, ll in results.items():
+                _store(loglik, offset + r, ll)
+            slow += [offset + r for r, it in enumerate(subject.items) if not it.fast]
             offset += len(subject.items)
-    return EvalResult(questions, loglik, label)
+        if slow:
+            for i, ll in zip(slow, _batched_all(lm, [items[i] for i in slow], batch_size, abl, None, progress, desc)):
+                _store(loglik, i, ll)
+    return EvalResult([it.question for it in items], loglik, label)
+
+
+def _batched_all(lm, items, batch_size, abl, row_masks, progress, desc) -> list[list[float]]:
+    """``_batched_loglik`` in blocks of questions, with a progress bar."""
+    block = max(1, 16 * batch_size // max(1, max(len(it.continuations) for it in items)))
+    out: list[list[float]] = []
+    bar = tqdm(total=len(items), desc=desc, unit="question", disable=not progress, leave=False)
+    for start in range(0, len(items), block):
+        part = items[start:start + block]
+        masks = row_masks[start:start + block] if row_masks is not None else None
+        out += _batched_loglik(lm, part, batch_size, abl, masks)
+        bar.update(len(part))
+    bar.close()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,11 +400,12 @@ class PairedDelta:
 
 
 def answer_kl(ablated: EvalResult, baseline: EvalResult) -> torch.Tensor:
-    """Per question, KL(unablated || ablated) in nats between the distributions over the four answer letters
-    (each model's log-likelihoods renormalised over A-D)."""
+    """Per question, KL(unablated || ablated) in nats between the two models' distributions over the choices (each
+    model's log-likelihoods of the choices renormalised over them: the four answer letters for MMLU)."""
     p = torch.log_softmax(baseline.loglik.double(), dim=-1)
     q = torch.log_softmax(ablated.loglik.double(), dim=-1)
-    return (p.exp() * (p - q)).sum(-1).clamp(min=0.0)
+    terms = torch.where(torch.isfinite(p), p.exp() * (p - q), torch.zeros_like(p))  # -inf pads: missing choices
+    return terms.sum(-1).clamp(min=0.0)
 
 
 def agreement(ablated: EvalResult, baseline: EvalResult) -> float:
@@ -326,7 +423,7 @@ def paired_delta(ablated: EvalResult, baseline: EvalResult, z: float = 1.96) -> 
 @torch.no_grad()
 def evaluate_many(
     lm: LoadedModel,
-    enc: EncodedMMLU,
+    enc: EncodedTask,
     head_sets: Sequence[HeadSet],
     batch_size: int = 8,
     progress: bool = True,
@@ -337,20 +434,51 @@ def evaluate_many(
     chunk of questions for every set at once. Same numbers as ``evaluate`` once per set."""
     n = len(head_sets)
     masks = torch.stack([mask_for(lm, hs) for hs in head_sets])  # [n, L, H]
-    loglik = torch.zeros(n, len(enc), 4, dtype=torch.float64)
-    offset = 0
+    loglik = empty_loglik(enc, n)
+    items = enc.items
+    offset, slow = 0, []
     with HeadAblation(lm) as abl:
-        for subject in tqdm(enc.subjects, desc=f"MMLU {label}".strip(), unit="subject", disable=not progress, leave=False):
+        for subject in tqdm(enc.subjects, desc=f"{enc.task} {label}".strip(), unit="subject",
+                            disable=not progress or len(enc.subjects) < 2, leave=False):
             fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
             if fast_rows:
                 for s, results in enumerate(_fast_subject(lm, subject, fast_rows, batch_size, abl, masks)):
                     for r, ll in results.items():
-                        loglik[s, offset + r] = torch.tensor(ll)
-            for r, it in enumerate(subject.items):
-                if not it.fast:
-                    for s in range(n):
-                        abl.set_mask(masks[s])
-                        loglik[s, offset + r] = torch.tensor(_reference_loglik(lm, it))
+                        _store(loglik[s], offset + r, ll)
+            slow += [offset + r for r, it in enumerate(subject.items) if not it.fast]
             offset += len(subject.items)
+        if slow:  # every head set's rows in the same batches, each row with its set's mask
+            rows = [(s, i) for s in range(n) for i in slow]
+            results = _batched_all(lm, [items[i] for _, i in rows], batch_size, abl, [masks[s] for s, _ in rows],
+                                   progress, f"{enc.task} {label}".strip())
+            for (s, i), ll in zip(rows, results):
+                _store(loglik[s], i, ll)
     questions = [it.question for it in enc.items]
     return [EvalResult(questions, loglik[s], label) for s in range(n)]
+
+
+@torch.no_grad()
+def next_token_kl(lm: LoadedModel, sequences: Sequence[Sequence[int]], masks: "HeadSet | PrunePlan | torch.Tensor",
+                  batch_size: int = 8) -> torch.Tensor:
+    """Per sequence, the mean over its positions of KL(unablated || ablated) in nats between the two models'
+    next-token distributions: damage measured on text itself, whatever the model's accuracy. ``[len(sequences)]``."""
+    out = torch.zeros(len(sequences), dtype=torch.float64)
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    dev = lm.device
+    with HeadAblation(lm) as abl:
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            lengths = torch.tensor([len(sequences[i]) for i in idx])
+            ids = torch.zeros(len(idx), int(lengths.max()), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, : lengths[row]] = torch.tensor(list(sequences[i]))
+            ids = ids.to(dev)
+            abl.set_mask(None)
+            p = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+            abl.set_mask(masks)
+            q = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+            kl = (p.exp() * (p - q)).sum(-1).clamp(min=0.0).double().cpu()  # [B, S]
+            real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]  # right padding: real tokens only
+            for row, i in enumerate(idx):
+                out[i] = kl[row][real[row]].mean()
+    return out

@@ -12,16 +12,17 @@ import torch
 
 from . import plots
 from .data.calibration import load_calibration
-from .data.mmlu import MMLUData, load_mmlu
+from .data.mmlu import load_mmlu
+from .data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from .errors import UserError
-from .evaluation import EncodedMMLU, EvalResult, agreement, answer_kl, encode, encode_mmlu, paired_delta
+from .evaluation import EncodedTask, EvalResult, agreement, answer_kl, encode, encode_task, paired_delta
 from .cache import digest
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
 from .recipes import Recipe, load_recipe, recipe_for
 from .report import accuracy_summary, chance_warning, versions, write_eval_outputs
-from .search import DEFAULT_GRID, Budget, judge, search_budget
+from .search import DEFAULT_GRID, METRIC_TASKS, Budget, judge, search_budget
 from .work import Work
 
 
@@ -35,7 +36,12 @@ class Settings:
     dtype: str = "auto"
     scorer: str = "ahon_ln"
     budget: str = "1%"
-    metric: str = "mmlu"  # what the budget limits: mmlu (accuracy points) | kl (nats of answer-letter KL)
+    metric: str = "accuracy"  # what the budget limits: accuracy (points) | kl (answer KL, nats) | kl-text (nats)
+    task: str = "mmlu"  # the verification questions: mmlu | mmlu-cloze | arc_easy | arc_challenge | hellaswag | piqa | winogrande
+    task_data: str | None = None  # local file of a non-MMLU task, in its Hub schema
+    task_limit: int | None = None  # questions of a non-MMLU task (its first N); MMLU uses mmlu_per_subject
+    kl_text: str | None = None  # held-out text for the next-token KL (default: held-out questions of the task)
+    kl_text_size: int = 16
     calibration: str | None = None
     calibration_size: int = 128
     max_length: int = 2048
@@ -73,7 +79,8 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     rec = load_recipe(recipe) if recipe else recipe_for(model, config.model_type, preferred)
     device_type = resolve_device(flags.get("device") or "auto").type
     values: dict = {}
-    for key in ("scorer", "budget", "metric", "dtype", "calibration_size", "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size"):
+    for key in ("scorer", "budget", "metric", "task", "task_limit", "kl_text_size", "dtype", "calibration_size",
+                "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size"):
         values[key] = rec.get(key, device_type)
     search = rec.values.get("search") or {}
     parallel = search.get("parallel", 1)
@@ -87,15 +94,31 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     values.update(overrides or {})  # explicit values that may be None ("all")
     if values.get("scorer") not in SCORE_KEYS:
         raise UserError(f"unknown scorer {values.get('scorer')!r}; choose one of: {', '.join(SCORE_KEYS)}")
-    # Which metric the budget limits: an explicit --metric (a contradicting unit is an error); else the budget's
-    # own unit (1% -> mmlu, 0.05nat -> kl); else the recipe's metric. Checked before any model loads.
+    # The task: --metric mmlu / mmlu-cloze name it (a contradicting --task is an error); else --task, else the recipe's.
     explicit = flags.get("metric")
+    if explicit in METRIC_TASKS:
+        if flags.get("task") and flags["task"] != METRIC_TASKS[explicit]:
+            raise UserError(f"--metric {explicit} is the accuracy on the {METRIC_TASKS[explicit]} task, but --task is "
+                            f"{flags['task']}; use --metric accuracy (or kl) with --task {flags['task']}")
+        values["task"] = METRIC_TASKS[explicit]
+    elif values.get("metric") in METRIC_TASKS and not flags.get("task"):
+        values["task"] = METRIC_TASKS[values["metric"]]
+    values["task"] = values.get("task") or "mmlu"
+    task_format(values["task"])  # an unknown task fails here, before any model loads
+    # Which metric the budget limits: an explicit --metric (a contradicting unit is an error); else the budget's
+    # own unit (1% -> accuracy, 0.05nat -> kl); else the recipe's metric. Checked before any model loads.
     has_unit = bool(re.search(r"[a-z%]\s*$", str(values["budget"]).strip().lower()))
-    values["metric"] = Budget.parse(values["budget"], explicit or (None if has_unit else values.get("metric"))).metric
+    recipe_metric = values.get("metric")
+    if has_unit and recipe_metric and not explicit:  # the unit decides between points and nats, the recipe between kls
+        unit_nats = "nat" in str(values["budget"]).lower()
+        recipe_metric = recipe_metric if (recipe_metric in ("kl", "kl-text")) == unit_nats else None
+    values["metric"] = Budget.parse(values["budget"], explicit or recipe_metric).metric
     s = Settings(model=model, recipe=rec, **{k: v for k, v in values.items() if k in Settings.__dataclass_fields__})
     s._loaded.update(source=source, config=config)
     # Read the data now: a bad path or file fails in seconds, before the weights load.
-    s._loaded["mmlu"] = load_mmlu(s.mmlu).subset(s.mmlu_per_subject, s.mmlu_subjects)
+    load_questions(s)
+    if s.kl_text:
+        s._loaded["kl_text"] = load_calibration(s.kl_text, s.kl_text_size)
     if s.calibration:
         s._loaded["calibration"] = load_calibration(s.calibration, s.calibration_size)
     return s
@@ -108,13 +131,50 @@ def load(settings: Settings) -> LoadedModel:
     )
 
 
-def load_questions(settings: Settings) -> MMLUData:
-    if "mmlu" not in settings._loaded:
-        settings._loaded["mmlu"] = load_mmlu(settings.mmlu).subset(settings.mmlu_per_subject, settings.mmlu_subjects)
-    return settings._loaded["mmlu"]
+def load_questions(settings: Settings) -> TaskData:
+    """The verification questions of ``settings.task`` (the full set stays in ``_loaded["all_questions"]``)."""
+    if "questions" not in settings._loaded:
+        if settings.task in MMLU_TASKS:
+            full = load_mmlu(settings.mmlu, task=settings.task)
+            data = full.subset(settings.mmlu_per_subject, settings.mmlu_subjects)
+        else:
+            full = load_task(settings.task, settings.task_data)
+            data = full.subset(settings.task_limit)
+        settings._loaded.update(all_questions=full, questions=data)
+    return settings._loaded["questions"]
 
 
-def calibration_sequences(lm: LoadedModel, settings: Settings, enc: EncodedMMLU | None) -> tuple[list[list[int]], str]:
+def held_out_sequences(lm: LoadedModel, settings: Settings) -> tuple[list[list[int]], str] | tuple[None, None]:
+    """Text for the next-token KL, never seen by scoring or verification: --kl-text, else the calibration file's
+    lines after the ones scored, else held-out questions of the task with their correct answers. Measured only
+    when the budget is in next-token KL or --kl-text is given (it costs two forward passes per evaluated point)."""
+    if settings.metric != "kl-text" and not settings.kl_text:
+        return None, None
+    n = settings.kl_text_size
+    if settings.kl_text:
+        texts, source = settings._loaded.get("kl_text") or load_calibration(settings.kl_text, n), f"file {settings.kl_text}"
+    elif settings.calibration:
+        texts = load_calibration(settings.calibration)[settings.calibration_size:][:n]
+        source = f"lines after the first {settings.calibration_size} of {settings.calibration}"
+        if not texts:
+            raise UserError(f"--metric kl-text needs held-out text, but {settings.calibration} has no lines after the "
+                            f"{settings.calibration_size} used for scoring; pass --kl-text FILE")
+    else:
+        data = load_questions(settings)
+        fmt = task_format(settings.task)
+        questions = settings._loaded["all_questions"].held_out(data, n)
+        if not questions:
+            raise UserError(f"--metric kl-text needs held-out text, but every {settings.task} question is evaluated; "
+                            "pass --kl-text FILE or evaluate fewer questions")
+        texts = [fmt.gold_text(q) for q in questions]
+        source = f"{len(texts)} held-out {settings.task} questions with their answers (not evaluated, not scored)"
+    seqs = [s for s in (encode(lm, t)[:256] for t in texts) if len(s) >= 2]
+    if not seqs:
+        raise UserError("the held-out text for --metric kl-text has no line of at least 2 tokens")
+    return seqs, source
+
+
+def calibration_sequences(lm: LoadedModel, settings: Settings, enc: EncodedTask | None) -> tuple[list[list[int]], str]:
     """Token sequences to score on: the user's texts, or else the MMLU prompts themselves, taken round-robin
     over subjects so a small calibration set still covers every subject."""
     if settings.calibration:
@@ -142,8 +202,8 @@ def echo(msg: str, err: bool = True, **style) -> None:
     click.secho(msg, err=err, **style)
 
 
-def warn_chance(result: EvalResult, metric: str = "mmlu") -> str | None:
-    w = chance_warning(result, metric)
+def warn_chance(result: EvalResult, metric: str = "accuracy", task: str = "mmlu") -> str | None:
+    w = chance_warning(result, metric, task)
     if w:
         echo("WARNING: " + w, fg="red", bold=True)
     return w
@@ -171,7 +231,7 @@ def _score(settings: Settings, staged: StagedDirectory, out: Path) -> dict:
     stage = staged.path
     lm = load(settings)
     work = Work(lm, settings, staged)
-    enc = None if settings.calibration else encode_mmlu(lm, load_questions(settings))
+    enc = None if settings.calibration else encode_task(lm, load_questions(settings))
     seqs, calib = calibration_sequences(lm, settings, enc)
     table = work.scores(seqs)
     payload = {"model": lm.source.to_json(), "recipe": settings.recipe.to_json(), "settings": settings.to_json(),
@@ -191,21 +251,27 @@ def _eval(settings: Settings, staged: StagedDirectory, out: Path, heads: HeadSet
     lm = load(settings)
     work = Work(lm, settings, staged)
     data = load_questions(settings)
-    enc = encode_mmlu(lm, data)
+    enc = encode_task(lm, data)
     result = work.evaluate(enc, heads, label="ablated" if heads else "")
     summary = {"model": lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
-               "mmlu_source": data.source, "skipped_rows": data.skipped_rows,
-               "ablated_heads": heads.to_json() if heads else {}}
-    warning = warn_chance(result) if not heads else None
+               "task": settings.task, "metric": task_format(settings.task).metric, "source": data.source,
+               "skipped_rows": data.skipped_rows, "ablated_heads": heads.to_json() if heads else {}}
+    warning = warn_chance(result, task=settings.task) if not heads else None
     if heads:
         baseline = work.evaluate(enc, None, label="unablated")
         summary["baseline"] = accuracy_summary(baseline)
         summary["paired_delta"] = paired_delta(result, baseline).to_json()
-        warning = warn_chance(baseline)
+        summary["kl_answer_nats"] = round(float(answer_kl(result, baseline).mean()), 6)
+        summary["agreement"] = round(agreement(result, baseline), 6)
+        kl_seqs, kl_source = held_out_sequences(lm, settings)
+        if kl_seqs:
+            summary["kl_text"] = {"nats": round(work.text_kl(kl_seqs, heads), 6), "source": kl_source}
+        warning = warn_chance(baseline, task=settings.task)
     summary["warnings"] = [warning] if warning else []
     summary["cache"] = work.cache.stats
-    write_eval_outputs(stage, result, summary)
-    echo(f"MMLU accuracy {100 * result.accuracy:.2f}% on {len(result.questions)} questions: {out / 'mmlu.jsonl'}", fg="green")
+    write_eval_outputs(stage, result, summary, settings.task)
+    echo(f"{settings.task} accuracy {100 * result.accuracy:.2f}% on {len(result.questions)} questions: "
+         f"{out / (settings.task + '.jsonl')}", fg="green")
     return result
 
 
@@ -219,7 +285,7 @@ class PruneRun:
     baseline: EvalResult
     chosen: HeadSet
     report: dict
-    enc: EncodedMMLU
+    enc: EncodedTask
     evaluate_heads: Callable[[HeadSet, str], EvalResult]
 
 
@@ -240,7 +306,7 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     lm = with_adapter_merged(base_lm, settings.adapter) if settings.adapter else base_lm
     work = Work(lm, settings, staged)
     data = load_questions(settings)
-    enc = encode_mmlu(lm, data)
+    enc = encode_task(lm, data)
     layouts = lm.adapter.layouts(lm.model)
     echo(f"{lm.source.spec}: {lm.config.model_type}, {len(layouts)} layers x {layouts[0].num_heads} heads "
          f"({layouts[0].num_kv_heads} KV), {lm.dtype} on {lm.device}; recipe {settings.recipe.name}; "
@@ -249,24 +315,35 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     seqs, calib = calibration_sequences(lm, settings, enc)
     scores = work.scores(seqs)
 
+    kl_seqs, kl_source = held_out_sequences(lm, settings)
+
+    def with_text_kl(result: EvalResult, heads: HeadSet) -> EvalResult:
+        if kl_seqs is not None:
+            result.meta["kl_text"] = work.text_kl(kl_seqs, work.verification_target(heads))
+        return result
+
     def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
-        return work.evaluate(enc, work.verification_target(heads), label)
+        return with_text_kl(work.evaluate(enc, work.verification_target(heads), label), heads)
+
+    def evaluate_group(sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
+        return [with_text_kl(r, hs) for r, hs in zip(work.evaluate_group(enc, sets, labels), sets)]
 
     baseline = evaluate_heads(HeadSet(), "unablated")
-    warning = warn_chance(baseline, budget.metric)
-    echo(f"unablated MMLU accuracy {100 * baseline.accuracy:.2f}% on {len(baseline.questions)} questions")
+    warning = warn_chance(baseline, budget.metric, settings.task)
+    echo(f"unablated {settings.task} accuracy {100 * baseline.accuracy:.2f}% on {len(baseline.questions)} questions"
+         + (f"; next-token KL measured on {len(kl_seqs)} texts ({kl_source})" if kl_seqs else ""))
 
     def on_point(p) -> None:
         if p.num_heads:
             mark = "within budget" if p.within_budget else "over budget"
             echo(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%): {100 * p.accuracy:6.2f}%  "
                  f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  "
-                 f"KL {p.kl:.4f} nat  agree {100 * p.agreement:5.1f}%  {mark}")
+                 f"KL {p.kl:.4f} nat" + (f"  text KL {p.kl_text:.4f} nat" if p.kl_text is not None else "")
+                 + f"  agree {100 * p.agreement:5.1f}%  {mark}")
 
     ranking = scores.ranking(settings.scorer)
     search = search_budget(ranking, evaluate_heads, baseline, budget, settings.grid, settings.patience,
-                           settings.refine_steps, on_point, lambda sets, labels: work.evaluate_group(enc, sets, labels),
-                           settings.parallel)
+                           settings.refine_steps, on_point, evaluate_group, settings.parallel)
     best = search.best
     chosen, chosen_result, chosen_delta = best.heads, best.result, best.delta
     if settings.gqa == "balanced" and chosen:
@@ -282,18 +359,19 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
         "recipe": settings.recipe.to_json(),
         "settings": settings.to_json(),
         "versions": versions(),
-        "mmlu": {"source": data.source, "questions": len(enc), "subjects": len(enc.subjects),
-                 "skipped_rows": data.skipped_rows, "exemplars": data.exemplar_source,
-                 "fast_path_questions": sum(it.fast for it in enc.items)},
+        "task": {"name": settings.task, "metric": task_format(settings.task).metric, "source": data.source,
+                 "questions": len(enc), "subjects": len(enc.subjects), "skipped_rows": data.skipped_rows,
+                 "exemplars": data.exemplar_source, "fast_path_questions": sum(it.fast for it in enc.items),
+                 "kl_text": None if kl_seqs is None else {"source": kl_source, "texts": len(kl_seqs),
+                                                           "tokens": sum(len(x) for x in kl_seqs)}},
         "budget": {"text": settings.budget, "metric": budget.metric, "points": budget.points,
-                   "definition": ("mean KL(unablated || ablated) over the four answer letters of the MMLU prompts, at most "
-                                  "this many nats") if budget.metric == "kl" else
-                                 "ablated MMLU accuracy at most this many points below the unablated model on the same questions"},
+                   "definition": budget_definition(budget, settings.task)},
         "scorer": settings.scorer,
         **scores_payload(scores, settings, calib),
         "baseline": accuracy_summary(baseline),
         "final": {**accuracy_summary(chosen_result),
                   **chosen_delta.to_json(), "kl_answer_nats": round(float(answer_kl(chosen_result, baseline).mean()), 6),
+                  **({"kl_text_nats": round(chosen_result.meta["kl_text"], 6)} if "kl_text" in chosen_result.meta else {}),
                   "agreement": round(agreement(chosen_result, baseline), 6), "num_heads_removed": len(chosen), "fraction_removed": round(len(chosen) / total, 6),
                   "gqa": settings.gqa},
         "points": points,
@@ -302,13 +380,13 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
         "warnings": [w for w in [warning] if w],
         "seconds": round(time.time() - started, 1),
     }
-    echo(f"{len(chosen)} of {total} heads ({100 * len(chosen) / total:.1f}%) are within a {budget} budget "
+    echo(f"{len(chosen)} of {total} heads ({100 * len(chosen) / total:.1f}%) are within a {budget} budget on {settings.task} "
          f"(delta {chosen_delta.delta:+.2f} pt, 95% CI [{chosen_delta.ci_low:+.2f}, {chosen_delta.ci_high:+.2f}])", fg="green")
     write_json(stage / "heads.json", chosen.to_json())
     plots.score_heatmap(scores.mean(settings.scorer), settings.scorer, chosen, stage / "scores_heatmap.png",
                         f"{lm.source.spec}: {settings.scorer} (red: {len(chosen)} removed heads)")
     plots.search_curve(points, baseline.accuracy, budget.points, stage / "accuracy_vs_heads.png",
-                       f"{lm.source.spec}: {'answer KL' if budget.metric == 'kl' else 'MMLU'} vs heads ablated by "
+                       f"{lm.source.spec}: {budget.metric if budget.in_nats else settings.task} vs heads ablated by "
                        f"{settings.scorer}", metric=budget.metric)
     if settings.export:
         from exporters.export import export_pruned
@@ -331,6 +409,14 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     what = "pruned model, report" if settings.export else "report"
     echo(f"{what}: {out}", fg="green")
     return PruneRun(lm, settings, scores, baseline, chosen, report, enc, evaluate_heads)
+
+
+def budget_definition(budget: Budget, task: str) -> str:
+    if budget.metric == "kl":
+        return f"mean KL(unablated || ablated) over the answer choices of the {task} prompts, at most this many nats"
+    if budget.metric == "kl-text":
+        return "mean next-token KL(unablated || ablated) on held-out text, at most this many nats"
+    return f"ablated {task} accuracy at most this many points below the unablated model on the same questions"
 
 
 def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
@@ -433,9 +519,9 @@ def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_
         enc = baseline = ablated = None
         warnings = []
         if with_mmlu:
-            enc = encode_mmlu(lm, load_questions(settings))
+            enc = encode_task(lm, load_questions(settings))
             baseline = work.evaluate(enc, None, label="unablated")
-            warnings = [w for w in [warn_chance(baseline)] if w]
+            warnings = [w for w in [warn_chance(baseline, task=settings.task)] if w]
             ablated = work.evaluate(enc, work.verification_target(heads, settings.layout), label="ablated")
         result = export_pruned(lm, heads, staged.path, settings.layout, settings.max_shard_size, enc, baseline, ablated,
                                {"scorer": None, "budget": None, "warnings": warnings}, settings.batch_size,

@@ -18,54 +18,72 @@ from .heads import HeadSet
 DEFAULT_GRID = (0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50)
 
 
-METRICS = ("mmlu", "kl")
+METRICS = ("accuracy", "kl", "kl-text")
+# --metric values that also name the task they are measured on (the accuracy of that task)
+METRIC_TASKS = {"mmlu": "mmlu", "mmlu-cloze": "mmlu-cloze"}
+METRIC_CHOICES = ("mmlu", "mmlu-cloze", "accuracy", "kl", "kl-text")
 
 
 @dataclass(frozen=True)
 class Budget:
-    """``mmlu``: at most ``points`` accuracy points below the unablated model on the same questions.
-    ``kl``: at most ``points`` nats of mean KL divergence from the unablated model's distribution over the four
-    answer letters (it measures damage even on a model that answers at chance)."""
+    """``accuracy``: at most ``points`` accuracy points below the unablated model on the same questions.
+    ``kl``: at most ``points`` nats of mean KL divergence from the unablated model's distribution over the choices
+    (the four answer letters on MMLU; it measures damage even on a model that answers at chance).
+    ``kl-text``: at most ``points`` nats of mean next-token KL from the unablated model on held-out text."""
 
     points: float
-    metric: str = "mmlu"
+    metric: str = "accuracy"
 
     @staticmethod
     def parse(text: str | float, metric: str | None = None) -> "Budget":
+        named, metric = metric, ("accuracy" if metric in METRIC_TASKS else metric)
         raw = str(text).strip().lower()
         m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(%|pt|pts|points?|nats?)?", raw)
         if not m:
             raise UserError(
                 f"--budget {text!r} is not a budget; write accuracy points as 1%, 0.5 or 2pt (at most that many points "
-                "below the unablated model), or nats of answer KL as 0.05nat"
+                "below the unablated model), or nats of KL as 0.05nat"
             )
         value, unit = float(m.group(1)), m.group(2) or ""
-        unit_metric = "kl" if unit.startswith("nat") else ("mmlu" if unit else None)
-        if metric and unit_metric and metric != unit_metric:
+        unit_metric = "kl" if unit.startswith("nat") else ("accuracy" if unit else None)
+        in_nats = metric in ("kl", "kl-text")
+        if metric and unit_metric and in_nats != (unit_metric == "kl"):
             raise UserError(f"--budget {text!r} is in {'nats' if unit_metric == 'kl' else 'accuracy points'}, but "
-                            f"--metric is {metric}; use --metric {unit_metric} or a budget in "
-                            f"{'nats (0.05nat)' if metric == 'kl' else 'points (1%)'}")
-        metric = metric or unit_metric or "mmlu"
+                            f"--metric is {named}; use --metric {'kl' if unit_metric == 'kl' else 'accuracy'} or a "
+                            f"budget in {'nats (0.05nat)' if in_nats else 'points (1%)'}")
+        metric = metric or unit_metric or "accuracy"
         if metric not in METRICS:
-            raise UserError(f"--metric {metric!r} is not one of {', '.join(METRICS)}")
-        if value < 0 or (metric == "mmlu" and value > 100):
+            raise UserError(f"--metric {metric!r} is not one of {', '.join(METRIC_CHOICES)}")
+        if value < 0 or (metric == "accuracy" and value > 100):
             raise UserError(f"--budget {text!r} is out of range; it must be between 0 and 100 accuracy points")
         return Budget(value, metric)
 
-    def allows(self, delta: PairedDelta, kl: float = 0.0) -> bool:
+    @property
+    def in_nats(self) -> bool:
+        return self.metric in ("kl", "kl-text")
+
+    def allows(self, delta: PairedDelta, kl: float = 0.0, kl_text: float | None = None) -> bool:
         if self.metric == "kl":
             return kl <= self.points + 1e-12
+        if self.metric == "kl-text":
+            if kl_text is None:
+                raise ValueError("a kl-text budget needs the next-token KL of every evaluated point")
+            return kl_text <= self.points + 1e-12
         return delta.delta >= -self.points - 1e-9
 
     def __str__(self) -> str:
-        return f"{self.points:g} nats of answer KL" if self.metric == "kl" else f"{self.points:g} accuracy points"
+        if self.metric == "kl":
+            return f"{self.points:g} nats of answer KL"
+        if self.metric == "kl-text":
+            return f"{self.points:g} nats of next-token KL on held-out text"
+        return f"{self.points:g} accuracy points"
 
 
 def judge(budget: Budget, result: EvalResult, baseline: EvalResult) -> tuple[PairedDelta, float, float, bool]:
     """(paired accuracy delta, mean answer KL in nats, answer agreement, within budget) of one evaluation."""
     delta = paired_delta(result, baseline)
     kl = float(answer_kl(result, baseline).mean())
-    return delta, kl, agreement(result, baseline), budget.allows(delta, kl)
+    return delta, kl, agreement(result, baseline), budget.allows(delta, kl, result.meta.get("kl_text"))
 
 
 @dataclass
@@ -81,7 +99,13 @@ class SearchPoint:
     kl: float = 0.0  # mean KL(unablated || ablated) over the four answer letters, nats
     agreement: float = 1.0  # share of questions answered as the unablated model does
 
+    @property
+    def kl_text(self) -> float | None:
+        """Mean next-token KL from the unablated model on held-out text, nats (when it was measured)."""
+        return None if self.result is None else self.result.meta.get("kl_text")
+
     def to_json(self) -> dict:
+        extra = {} if self.kl_text is None else {"kl_text_nats": round(self.kl_text, 6)}
         return {
             "num_heads": self.num_heads,
             "fraction": round(self.fraction, 6),
@@ -89,6 +113,7 @@ class SearchPoint:
             **self.delta.to_json(),
             "kl_answer_nats": round(self.kl, 6),
             "agreement": round(self.agreement, 6),
+            **extra,
             "within_budget": self.within_budget,
             "stage": self.stage,
         }

@@ -2,11 +2,13 @@
 interrupted or changed run repeats no finished work (see cache.py)."""
 from __future__ import annotations
 
+import hashlib
+
 import click
 import torch
 
 from .cache import ResultCache, tokens_digest
-from .evaluation import EncodedMMLU, EvalResult, evaluate, evaluate_many
+from .evaluation import EncodedTask, EvalResult, evaluate, evaluate_many, next_token_kl
 from .fileio import StagedDirectory
 from .heads import HeadSet, ScoreTable
 from .models.loading import LoadedModel
@@ -42,7 +44,7 @@ class Work:
         return choose_layout(layout, heads, lm.adapter.layouts(lm.model), lm.adapter, lm.config,
                              torch.finfo(lm.dtype).bits // 8).plan
 
-    def _enc_digest(self, enc: EncodedMMLU) -> str:
+    def _enc_digest(self, enc: EncodedTask) -> str:
         if id(enc) not in self._enc_digests:
             seqs = [it.context + [t for c in it.continuations for t in c] for it in enc.items]
             self._enc_digests[id(enc)] = tokens_digest(seqs)
@@ -58,13 +60,36 @@ class Work:
         self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
         return table
 
-    def _eval_key(self, enc, target, model_key=None):
-        ablation = None if target is None or (isinstance(target, HeadSet) and not target) else (
-            {"plan": target.to_json()} if isinstance(target, PrunePlan) else {"heads": target.to_json()})
-        return ablation, {**(model_key or self.model_key), "what": "mmlu", "tokens": self._enc_digest(enc),
-                          "ablation": ablation, "batch": self.settings.batch_size}
+    @staticmethod
+    def _ablation_key(target) -> dict | None:
+        if target is None or (isinstance(target, HeadSet) and not target):
+            return None
+        if isinstance(target, PrunePlan):
+            return {"plan": target.to_json()}
+        if isinstance(target, torch.Tensor):  # a [L, H] or per-question [N, L, H] mask (study's dynamic ablation)
+            m = target.detach().to(torch.float32).cpu().contiguous()
+            return {"masks": hashlib.sha256(m.numpy().tobytes()).hexdigest(), "shape": list(m.shape)}
+        return {"heads": target.to_json()}
 
-    def evaluate_group(self, enc: EncodedMMLU, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
+    def _eval_key(self, enc, target, model_key=None):
+        ablation = self._ablation_key(target)
+        return ablation, {**(model_key or self.model_key), "what": "mmlu", "task": enc.task,
+                          "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.settings.batch_size}
+
+    def text_kl(self, sequences: list[list[int]], target) -> float:
+        """Mean next-token KL(unablated || ablated) over held-out texts, nats; cached like evaluations."""
+        ablation = self._ablation_key(target)
+        if ablation is None:
+            return 0.0
+        key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
+               "batch": self.settings.batch_size}
+        hit = self.cache.get("kltext", key)
+        if hit is None:
+            hit = {"kl": next_token_kl(self.lm, sequences, target, self.settings.batch_size)}
+            self.cache.put("kltext", key, hit)
+        return float(hit["kl"].mean())
+
+    def evaluate_group(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
         """Several static head sets at once (evaluate_many); cached per set like ``evaluate``. Families whose
         verification needs the export plan (OLMo-2 norms) are evaluated one at a time."""
         if self.lm.adapter.qk_norm == "across_heads":
@@ -87,7 +112,7 @@ class Work:
                 results[i] = res
         return [results[i] for i in range(len(head_sets))]
 
-    def evaluate(self, enc: EncodedMMLU, target: "HeadSet | PrunePlan | None", label: str = "",
+    def evaluate(self, enc: EncodedTask, target: "HeadSet | PrunePlan | None", label: str = "",
                  lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
         ablation, key = self._eval_key(enc, target, model_key)
         hit = self.cache.get("eval", key)
@@ -99,7 +124,7 @@ class Work:
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 
-    def exported_evaluator(self, enc: EncodedMMLU):
+    def exported_evaluator(self, enc: EncodedTask):
         """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
 
         def run(reloaded: LoadedModel, files_digest: str) -> EvalResult:

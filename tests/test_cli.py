@@ -46,7 +46,7 @@ def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):
     assert report["budget"]["points"] == 2.0 and report["scorer"] == "ahon_ln"
     assert report["recipe"]["name"] == "llama3"
     assert set(report["scores"]) >= {"awft", "ahon_ln", "lthon_hn"} and len(report["scores"]["ahon"]) == 4
-    assert report["mmlu"]["questions"] == 12 and report["mmlu"]["fast_path_questions"] == 12
+    assert report["task"]["questions"] == 12 and report["task"]["fast_path_questions"] == 12
     assert report["points"][0]["num_heads"] == 0 and any(p["chosen"] for p in report["points"])
     chosen = [p for p in report["points"] if p["chosen"]][0]
     assert chosen["within_budget"] and chosen["delta_points"] >= -2.0
@@ -162,7 +162,7 @@ def test_real_smollm2_end_to_end(tmp_path):
                                       "kv_heads_per_layer": [3] * 30, "head_dim": 64}
     assert report["model"]["kind"] == "embedded" and len(report["model"]["fingerprint"]) == 64
     assert report["recipe"]["name"] == "smollm2"
-    assert report["mmlu"]["questions"] == 6 and report["mmlu"]["skipped_rows"] == 2
+    assert report["task"]["questions"] == 6 and report["task"]["skipped_rows"] == 2
     assert len(report["scores"]["ahon_ln"]) == 30 and len(report["scores"]["ahon_ln"][0]) == 9
     # 6 questions cannot tell the model from chance: the run must say so.
     assert report["warnings"] and "chance" in report["warnings"][0] and "chance" in proc.stderr

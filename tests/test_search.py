@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from prune_heads.data.mmlu import MMLUQuestion
+from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
 from prune_heads.evaluation import EvalResult
 from prune_heads.heads import HeadSet
@@ -20,7 +20,7 @@ def test_malformed_budget_is_a_user_error(text):
 
 
 N = 200  # questions
-QS = [MMLUQuestion("s", i, "q", ("a", "b", "c", "d"), 0) for i in range(N)]
+QS = [Question("s", i, "q", ("a", "b", "c", "d"), 0) for i in range(N)]
 
 
 def result_with_accuracy(correct: int) -> EvalResult:
@@ -62,7 +62,8 @@ def test_non_monotone_curve_takes_largest_passing_point():
 
 
 @pytest.mark.parametrize("text,metric,expected", [("0.05nat", None, ("kl", 0.05)), ("0.1 nats", "kl", ("kl", 0.1)),
-                                                  ("0.2", "kl", ("kl", 0.2)), ("1%", None, ("mmlu", 1.0))])
+                                                  ("0.2", "kl", ("kl", 0.2)), ("1%", None, ("accuracy", 1.0)), ("1%", "mmlu-cloze", ("accuracy", 1.0)),
+                                                  ("0.1nat", "kl-text", ("kl-text", 0.1))])
 def test_kl_budgets(text, metric, expected):
     b = Budget.parse(text, metric)
     assert (b.metric, b.points) == expected

