@@ -218,15 +218,50 @@ def _terminate(signum, frame):
 @click.argument("model_a")
 @click.argument("model_b")
 @common_options
-def compare(model_a, model_b, **kw):
+@click.option("--study-a", type=click.Path(), help="MODEL_A's study (study.json or its directory): with --study-b, also "
+              "compare the two rankings of score functions.")
+@click.option("--study-b", type=click.Path(), help="MODEL_B's study (study.json or its directory).")
+def compare(model_a, model_b, study_a, study_b, **kw):
     """Compare the attention behaviour of two models on the same texts: compare.json, compare.md, score_cdfs.png."""
     from .pipeline import run_compare
 
     if kw.get("model"):
         raise UserError("compare takes the two models as arguments: prune-heads compare MODEL_A MODEL_B --out DIR")
+    if bool(study_a) != bool(study_b):
+        raise UserError("--study-a and --study-b go together: pass both models' study results, or neither")
     settings_a = _settings({**kw, "model": model_a})
     settings_b = _settings({**kw, "model": model_b})
-    run_compare(settings_a, settings_b, kw["out"], kw["force"])
+    run_compare(settings_a, settings_b, kw["out"], kw["force"], (study_a, study_b) if study_a else None)
+
+
+def _csv(value: str, what: str, convert=str) -> list:
+    try:
+        items = [convert(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--{what} {value!r} is not a comma list of numbers, e.g. 0,5,10,15,20,25,30") from None
+    if not items:
+        raise UserError(f"--{what} is empty")
+    return items
+
+
+@cli.command()
+@common_options
+@click.option("--budget", "-b", default="1%", show_default=True, help="Accuracy points the curves are judged against.")
+@click.option("--functions", default="all", show_default=True, help="Score functions to compare: 'all' or a comma list "
+              f"of {', '.join(SCORE_KEYS)}.")
+@click.option("--percents", default="0,5,10,15,20,25,30", show_default=True, help="% of pooled per-input head scores "
+              "each threshold selects.")
+@click.option("--modes", default="dynamic,static,random", show_default=True, help="Ablation modes: dynamic (per input, "
+              "the paper's), static (heads fixed from the calibration set), random (baseline).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random-heads baseline.")
+def study(budget, functions, percents, modes, seed, **kw):
+    """Reproduce the paper's comparison of score functions on one model: accuracy vs % of heads zeroed per
+    function (dynamic, static, random), max % within budget, AUC and ranking: study.json, study.md, PNGs."""
+    from .pipeline import run_study
+
+    funcs = list(SCORE_KEYS) if functions.strip().lower() == "all" else _csv(functions, "functions")
+    settings = _settings(kw, budget=budget)
+    run_study(settings, kw["out"], kw["force"], funcs, _csv(percents, "percents", float), _csv(modes, "modes"), seed)
 
 
 @cli.command()

@@ -76,6 +76,21 @@ def compare_tables(a: ScoreTable, b: ScoreTable, fraction: float = 0.10) -> dict
     return out
 
 
+def study_ranking_correlation(study_a: dict, study_b: dict) -> dict:
+    """Per ablation mode, Spearman's rho between the two studies' ranks of the score functions both studied."""
+    out = {}
+    for mode in sorted(set(study_a.get("ranking", {})) & set(study_b.get("ranking", {})) - {"random"}):
+        ra, rb = study_a["ranking"][mode], study_b["ranking"][mode]
+        common = [f for f in ra if f in rb]
+        if len(common) < 2:
+            continue
+        rank_a = torch.tensor([ra.index(f) for f in common], dtype=torch.float64)
+        rank_b = torch.tensor([rb.index(f) for f in common], dtype=torch.float64)
+        out[mode] = {"spearman": round(spearman(rank_a, rank_b), 6), "functions": len(common),
+                     "best_a": ra[0], "best_b": rb[0]}
+    return out
+
+
 def markdown(result: dict, name_a: str, name_b: str) -> str:
     iou = next((k for k in next(iter(result["functions"].values())) if k.startswith("iou_at_")), None)
     head = "| function | KS | Wasserstein | mean A | mean B |" + (" Spearman (heads) | IoU @10% |" if iou else "")
@@ -88,4 +103,7 @@ def markdown(result: dict, name_a: str, name_b: str) -> str:
         if iou:
             line += f" {r['spearman_heads']:.3f} | {r[iou]:.3f} |"
         lines.append(line)
+    for mode, r in (result.get("study_rankings") or {}).items():
+        lines += ["", f"Function rankings from the two studies ({mode} ablation, {r['functions']} functions): Spearman "
+                      f"{r['spearman']:.3f}; best: `{r['best_a']}` (A), `{r['best_b']}` (B)."]
     return "\n".join(lines) + "\n"

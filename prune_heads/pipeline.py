@@ -531,9 +531,29 @@ def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_
     return result
 
 
-def run_compare(settings_a: Settings, settings_b: Settings, out: Path, force: bool) -> dict:
-    """``prune-heads compare A B``: score both models on the same texts and compare their attention behaviour."""
-    from .compare import compare_tables, markdown
+def read_study(path: str | Path) -> dict:
+    """study.json, given as the file or a study output directory."""
+    import json
+
+    p = Path(path)
+    p = p / "study.json" if p.is_dir() else p
+    if not p.is_file():
+        raise UserError(f"{path} is not a study (no study.json); run prune-heads study --out DIR first")
+    try:
+        study = json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{p} is not valid JSON; run the study again") from None
+    if "ranking" not in study:
+        raise UserError(f"{p} has no function ranking; it was not written by prune-heads study")
+    return study
+
+
+def run_compare(settings_a: Settings, settings_b: Settings, out: Path, force: bool, studies: tuple | None = None) -> dict:
+    """``prune-heads compare A B``: score both models on the same texts and compare their attention behaviour;
+    with both models' study results, also the rank correlation of their score-function rankings."""
+    from .compare import compare_tables, markdown, study_ranking_correlation
+
+    study_pair = [read_study(p) for p in studies] if studies else None
     from .data.mmlu import build_prompt
     from .fileio import write_text
 
@@ -552,9 +572,69 @@ def run_compare(settings_a: Settings, settings_b: Settings, out: Path, force: bo
             names.append(lm.source.spec)
             del lm, work
         result = {"models": names, "texts": len(texts), **compare_tables(*tables)}
+        if study_pair:
+            result["study_rankings"] = study_ranking_correlation(*study_pair)
         write_json(staged.path / "compare.json", result)
         write_text(staged.path / "compare.md", markdown(result, *names))
         plots.score_cdfs({k: tables[0].mean(k) for k in SCORE_KEYS}, {k: tables[1].mean(k) for k in SCORE_KEYS},
                          names[0], names[1], list(SCORE_KEYS), staged.path / "score_cdfs.png")
     echo(f"compared {names[0]} and {names[1]} on {len(texts)} texts: {out / 'compare.md'}", fg="green")
     return result
+
+
+def run_study(settings: Settings, out: Path, force: bool, functions: list[str], percents: list[float],
+              modes: list[str], seed: int = 0) -> dict:
+    """``prune-heads study``: every score function's accuracy curve under dynamic, static and random ablation,
+    the largest % of heads within budget, the normalised AUC, and the ranking (study.py)."""
+    from .fileio import write_text
+    from .study import markdown, run_study as study_curves
+
+    budget = Budget.parse(settings.budget, "accuracy")
+    with StagedDirectory(out, force, settings.resume) as staged:
+        lm = load(settings)
+        work = Work(lm, settings, staged)
+        data = load_questions(settings)
+        enc = encode_task(lm, data)
+        echo(f"study of {lm.source.spec} on {settings.task} ({len(enc)} questions): {len(functions)} functions x "
+             f"{len(percents)} percents, modes {', '.join(modes)}")
+        # Dynamic ablation thresholds each input by its own scores, so the evaluation inputs themselves are scored.
+        eval_scores = work.scores([it.context for it in enc.items])
+        if settings.calibration:
+            calib_scores = work.scores(calibration_sequences(lm, settings, enc)[0])
+            calib = f"file {settings.calibration}"
+        else:  # the calibration set is a round-robin sample of the evaluation inputs: reuse their scores
+            rows = round_robin([list(range(o, o + len(s.items))) for o, s in _offsets(enc)], settings.calibration_size)
+            calib_scores = ScoreTable({k: v[rows] for k, v in eval_scores.per_input.items()},
+                                      [eval_scores.token_counts[i] for i in rows])
+            calib = f"{len(rows)} of the evaluation prompts (round-robin over subjects)"
+        baseline = work.evaluate(enc, None, "unablated")
+        warning = warn_chance(baseline, "accuracy", settings.task)
+
+        def on_point(p) -> None:
+            if p.percent:
+                echo(f"  {p.function:10s} {p.mode:8s} p={p.percent:4g}%: {p.zeroed:5.1f}% zeroed  "
+                     f"{100 * p.accuracy:6.2f}%  delta {p.delta['delta_points']:+.2f} pt")
+
+        result = study_curves(eval_scores, calib_scores, lambda mask, label: work.evaluate(enc, mask, label), baseline,
+                              functions, percents, modes, budget.points, seed, on_point)
+        payload = {"model": lm.source.to_json(), "task": settings.task, "settings": settings.to_json(),
+                   "versions": versions(), "calibration": calib, "functions": functions, "percents": list(percents),
+                   "modes": list(modes), "seed": seed, "baseline": accuracy_summary(baseline),
+                   "warnings": [w for w in [warning] if w], **result, "cache": work.cache.stats}
+        write_json(staged.path / "study.json", payload)
+        write_text(staged.path / "study.md", markdown(result, lm.source.spec, settings.task))
+        plots.study_curves(result, staged.path / "study_curves.png", f"{lm.source.spec} on {settings.task}: accuracy vs "
+                           "heads zeroed per score function (legend: max % within budget)")
+        plots.study_ranking(result, staged.path / "study_ranking.png", f"{lm.source.spec}: score functions ranked by "
+                            f"max % of heads within {budget.points:g} pt")
+    best = ", ".join(f"{m}: {f}" for m, f in result["best"].items())
+    echo(f"study written to {out} (best function {best})", fg="green")
+    return payload
+
+
+def _offsets(enc: EncodedTask) -> list[tuple[int, object]]:
+    out, offset = [], 0
+    for s in enc.subjects:
+        out.append((offset, s))
+        offset += len(s.items)
+    return out

@@ -113,3 +113,60 @@ def score_cdfs(means_a: dict, means_b: dict, name_a: str, name_b: str, keys: lis
     fig.suptitle("per-head score distributions (empirical CDF)", fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def study_curves(study: dict, path: Path, title: str = "") -> Path:
+    """Accuracy vs % of heads zeroed for every score function, one panel per ablation mode, random heads dashed."""
+    modes = [m for m in ("dynamic", "static") if m in study["ranking"]] or ["random"]
+    rows = study["curves"]
+    functions = sorted({r["function"] for r in rows if r["mode"] != "random"})
+    colors = {f: plt.get_cmap("tab20")(i % 20) for i, f in enumerate(functions)}
+    base = 100 * study["baseline_accuracy"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.6), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], modes):
+        for r in rows:
+            if r["mode"] != mode:
+                continue
+            xs = [p["zeroed_percent"] for p in r["points"]]
+            ys = [100 * p["accuracy"] for p in r["points"]]
+            style = "-" if not r["function"].endswith("_ln") else "--"
+            ax.plot(xs, ys, style, marker="o", markersize=3, color=colors[r["function"]], linewidth=1.2,
+                    label=f"{r['function']} ({r['max_percent_within_budget']:.1f}%)")
+        for r in rows:
+            if r["mode"] == "random":
+                ax.plot([p["zeroed_percent"] for p in r["points"]], [100 * p["accuracy"] for p in r["points"]], ":",
+                        color="black", linewidth=1.6, label=f"random heads ({r['max_percent_within_budget']:.1f}%)")
+        ax.axhline(base, color="gray", linestyle="--", linewidth=0.8)
+        ax.axhline(base - study["budget_points"], color="tab:red", linestyle=":", linewidth=1.2,
+                   label=f"budget ({study['budget_points']:g} pt)")
+        ax.set_title(f"{mode} ablation", fontsize=10)
+        ax.set_xlabel("% of heads zeroed (mean over inputs)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2, loc="lower left")
+    axes[0][0].set_ylabel("accuracy (%)")
+    fig.suptitle(title or "accuracy vs heads zeroed, per score function (legend: max % within budget)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def study_ranking(study: dict, path: Path, title: str = "") -> Path:
+    """Largest % of heads zeroed within budget per score function (best first), one bar per ablation mode."""
+    modes = [m for m in ("dynamic", "static") if m in study["ranking"]]
+    rows = {(r["function"], r["mode"]): r for r in study["curves"]}
+    order = study["ranking"][modes[0]] if modes else []
+    fig, ax = plt.subplots(figsize=(7.0, max(2.5, 0.32 * len(order) + 1.2)))
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        ys = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(order))]
+        vals = [rows[(f, mode)]["max_percent_within_budget"] if (f, mode) in rows else 0 for f in order]
+        ax.barh(ys, vals, height=width, label=mode, color=("tab:blue", "tab:orange")[j % 2])
+    if ("random", "random") in rows:
+        ax.axvline(rows[("random", "random")]["max_percent_within_budget"], color="black", linestyle=":", label="random heads")
+    ax.set_yticks(range(len(order)))
+    ax.set_yticklabels(order, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"max % of heads zeroed within {study['budget_points']:g} pt")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(title or "score functions ranked", fontsize=10)
+    return _save(fig, path)

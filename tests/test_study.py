@@ -1,0 +1,179 @@
+"""Study mode: thresholds, interpolation and AUC by hand, dynamic masks against a naive loop, the ranking, and the
+CLI end to end with an interruption and a resumed, larger study; compare's correlation of function rankings."""
+import json
+
+import pytest
+import torch
+
+from prune_heads.data.tasks import Question
+from prune_heads.errors import UserError
+from prune_heads.evaluation import EvalResult
+from prune_heads.heads import ScoreTable
+from prune_heads.study import max_within, normalised_auc, run_study, thresholds
+from test_mmlu import _cais_file
+from tiny import tiny_model
+
+
+@pytest.mark.parametrize("direction", ["low", "high"])
+def test_thresholds_select_the_requested_percentages(direction):
+    scores = torch.randperm(2000).double().view(10, 20, 10) / 7.0  # distinct values, 2000 pooled
+    for p, thr in thresholds(scores, direction, [0, 5, 10, 12.5, 30, 100]).items():
+        selected = (scores <= thr) if direction == "low" else (scores >= thr)
+        assert int(selected.sum()) == round(p / 100 * 2000)
+    low = thresholds(scores, "low", [10])[10]
+    high = thresholds(scores, "high", [10])[10]
+    assert low == pytest.approx(199 / 7.0) and high == pytest.approx(1800 / 7.0)  # the dormant end differs
+
+
+def test_interpolated_max_within_budget_and_auc_by_hand():
+    xs, ys = [0, 5, 10, 20, 30], [50.0, 50.0, 48.0, 49.5, 40.0]
+    # target 49: crosses below between 5 and 10 (at 7.5), back above at 20, last crossing between 20 and 30:
+    # 20 + (49.5 - 49) / (49.5 - 40) * 10 = 20.526...
+    assert max_within(xs, ys, 49.0) == pytest.approx(20 + 0.5 / 9.5 * 10)
+    assert max_within(xs, ys, 30.0) == 30  # never below: the whole range
+    assert max_within([0, 10], [40.0, 30.0], 45.0) == 0.0  # below from the start
+    area = (5 * 100 + 5 * 98 + 10 * 97.5 + 10 * 89.5) / 2
+    assert normalised_auc(xs, ys) == pytest.approx(area / 30)
+
+
+N, L, H = 12, 3, 4
+
+
+def fake_table(seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = ["ahon", "awft", "ahon_ln"]
+    return ScoreTable({k: torch.rand(N, L, H, generator=g, dtype=torch.float64) for k in keys}, [10] * N)
+
+
+QS = [Question("s", i, "q", ("a", "b", "c", "d"), 0) for i in range(N)]
+
+
+def result_from_mask(mask):
+    """A synthetic model: accuracy falls with the number of heads of layer 0 zeroed (the important layer)."""
+    m = mask if mask.dim() == 3 else mask.expand(N, L, H)
+    ll = torch.zeros(N, 4, dtype=torch.float64)
+    wrong = (m[:, 0] == 0).sum(-1) >= 2  # an input with 2+ heads of layer 0 zeroed answers wrong
+    ll[wrong, 1] = 1.0
+    ll[~wrong, 0] = 1.0
+    return EvalResult(QS, ll)
+
+
+def test_run_study_dynamic_masks_equal_a_naive_loop_and_the_ranking_follows_the_curves():
+    table, calls = fake_table(0), []
+
+    def evaluate(mask, label):
+        calls.append((label, mask.clone()))
+        return result_from_mask(mask)
+
+    baseline = result_from_mask(torch.ones(L, H))
+    study = run_study(table, table, evaluate, baseline, ["ahon", "awft"], [0, 25, 50], ["dynamic", "static", "random"],
+                      budget_points=10.0)
+    dyn = [(label, m) for label, m in calls if "dynamic" in label]
+    assert len(dyn) == 4 and all(m.shape == (N, L, H) for _, m in dyn)
+    for label, mask in dyn:
+        function, _, p = label.split()
+        direction = "high" if function == "awft" else "low"
+        thr = thresholds(table.per_input[function], direction, [float(p.rstrip("%"))])[float(p.rstrip("%"))]
+        for i in range(N):
+            for layer in range(L):
+                for h in range(H):
+                    s = float(table.per_input[function][i, layer, h])
+                    dormant = s <= thr if direction == "low" else s >= thr
+                    assert mask[i, layer, h] == (0.0 if dormant else 1.0)
+    static = [m for label, m in calls if "static" in label]
+    assert all(m.shape == (L, H) for m in static) and [int((m == 0).sum()) for m in static] == [3, 6, 3, 6]
+    rows = {(r["function"], r["mode"]): r for r in study["curves"]}
+    assert set(study["ranking"]) == {"dynamic", "static", "random"}
+    assert study["best"]["dynamic"] == study["ranking"]["dynamic"][0]
+    for mode in ("dynamic", "static"):
+        ordered = [rows[(f, mode)] for f in study["ranking"][mode]]
+        keys = [(r["max_percent_within_budget"], r["auc"]) for r in ordered]
+        assert keys == sorted(keys, reverse=True) and [r["rank"] for r in ordered] == [1, 2]
+    # The dynamic % zeroed is the mean over inputs of the mask's zeros.
+    pt = [p for p in rows[("ahon", "dynamic")]["points"] if p["percent"] == 25][0]
+    assert pt["zeroed_percent"] == pytest.approx(25.0, abs=100 / (N * L * H))
+
+
+def test_run_study_refuses_unknown_functions_and_modes():
+    t = fake_table(1)
+    with pytest.raises(UserError, match="unknown score function"):
+        run_study(t, t, None, None, ["nope"], [0, 5], ["dynamic"], 1.0)
+    with pytest.raises(UserError, match="unknown study mode"):
+        run_study(t, t, None, None, ["ahon"], [0, 5], ["sideways"], 1.0)
+
+
+# --- CLI end to end ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_mistral")
+    lm = tiny_model("mistral")
+    lm.model.save_pretrained(d)
+    lm.tokenizer.save_pretrained(d)
+    return d
+
+
+def run_cli(args, capsys):
+    from prune_heads.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys, monkeypatch):
+    import prune_heads.work as work
+
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=9)
+    out = tmp_path / "study"
+    args = ["study", "--model", model_dir, "--mmlu", mmlu, "--out", out, "--no-progress", "--percents", "0,10,30",
+            "--budget", "5%", "--calibration-size", "4"]
+    real, calls = work.evaluate, []
+
+    def interrupting(*a, **k):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(work, "evaluate", interrupting)
+    code, _, err = run_cli(args + ["--functions", "ahon,awft"], capsys)
+    assert code == 130 and "rerun the same command to resume" in err and not out.exists()
+    monkeypatch.setattr(work, "evaluate", real)
+    code, _, err = run_cli(args + ["--functions", "ahon,awft"], capsys)
+    assert code == 0, err
+    study = json.loads((out / "study.json").read_text())
+    # baseline + 2 functions x (2 dynamic + 2 static) + 2 random = 11 evaluations; 5 finished before the interrupt
+    assert study["cache"]["loaded"] >= 5 + 1 and study["cache"]["computed"] == 11 - 5 + 0
+    assert study["ranking"]["dynamic"] and set(study["best"]) == {"dynamic", "static"}
+    assert (out / "study.md").read_text().startswith("# Score functions on")
+    for png in ("study_curves.png", "study_ranking.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A larger study of the same model reuses every finished point.
+    code, _, err = run_cli(args + ["--functions", "ahon,awft,ahon_ln", "--resume"], capsys)
+    assert code == 0, err
+    bigger = json.loads((out / "study.json").read_text())
+    assert bigger["cache"]["computed"] == 4  # only ahon_ln's dynamic and static points
+    assert len(bigger["ranking"]["dynamic"]) == 3
+
+    # compare: the same model and its own study twice -> identical rankings (Spearman 1), zero distances.
+    code, _, err = run_cli(["compare", model_dir, model_dir, "--mmlu", mmlu, "--out", tmp_path / "cmp", "--no-progress",
+                            "--calibration-size", "3", "--study-a", out, "--study-b", out / "study.json"], capsys)
+    assert code == 0, err
+    cmp = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert cmp["study_rankings"]["dynamic"]["spearman"] == 1.0 and cmp["study_rankings"]["static"]["functions"] == 3
+    assert all(r["ks"] == 0 for r in cmp["functions"].values())
+    code, _, err = run_cli(["compare", model_dir, model_dir, "--out", tmp_path / "c2", "--study-a", out], capsys)
+    assert code == 2 and "--study-a and --study-b go together" in err
+
+
+def test_study_ranking_correlation_by_hand():
+    from prune_heads.compare import study_ranking_correlation
+
+    a = {"ranking": {"dynamic": ["x", "y", "z", "w"], "random": ["random"]}}
+    b = {"ranking": {"dynamic": ["y", "x", "z", "v"]}}
+    r = study_ranking_correlation(a, b)["dynamic"]
+    # common x, y, z with ranks (0, 1, 2) and (1, 0, 2): rho = 1 - 6 * 2 / (3 * 8) = 0.5
+    assert r["functions"] == 3 and r["spearman"] == pytest.approx(0.5)
