@@ -39,7 +39,17 @@ def model_card(meta: dict) -> str:
         ci = mmlu.get("ci95_points", [float("nan")] * 2)
         lines.append(f"| MMLU 5-shot ({mmlu['n']} questions) | {_pct(mmlu['baseline_accuracy'])} | "
                      f"{_pct(mmlu['pruned_accuracy'])} (delta {mmlu['delta_points']:+.2f} pt, 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]) |")
+    heal = meta.get("healing")
+    if heal:
+        before_heal = (mmlu.get("before_healing") or {}).get("accuracy")
+        lines.append(f"| after LoRA healing ({heal['steps']} steps) | training loss {heal['loss_first']:.4f} | "
+                     f"{heal['loss_last']:.4f}" + (f"; MMLU before healing {_pct(before_heal)}, after "
+                                                    f"{_pct(mmlu['pruned_accuracy'])}" if before_heal is not None else "") + " |")
     lines += ["", f"Layout: **{meta['layout']}** ({meta['layout_reason']}).", ""]
+    if heal:
+        lines += [f"Healed: LoRA (rank {heal['rank']}, {', '.join(heal['targets'])}) trained for {heal['steps']} steps on "
+                  f"{heal['texts']} held-out texts (seed {heal['seed']}), merged into the weights; removed and padding "
+                  "heads were kept silent during training and stay removed.", ""]
     for w in meta.get("warnings", []):
         lines += [f"> **Warning:** {w}", ""]
     lines += ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
@@ -50,7 +60,8 @@ def model_card(meta: dict) -> str:
         lines += ["Layers keep different numbers of heads, recorded in `config.json` under `per_layer_config`; the small "
                   "`modeling_pruned.py` shipped here builds each layer from it, hence `trust_remote_code=True`.", ""]
     lines += ["## Verification", "",
-              f"Reloaded from these files in the same run: max |logit difference| against the ablated original "
+              "Reloaded from these files in the same run: max |logit difference| against "
+              + ("the healed model" if heal else "the ablated original") + " "
               f"{v['max_abs_logit_diff']:.3g} on {v['prompts']} prompts ({v['dtype']}, tolerance {v['tolerance']:g}).", "",
               "## Removed heads", "", "`prune_heads.json` lists the removed heads per layer (original indices), the plan "
               "(which original head sits in each new slot), the scorer, budget and source model hash.", ""]

@@ -97,8 +97,12 @@ def export_pruned(
     progress: bool = True,
     log=print,
     evaluate_exported=None,
+    heal_fn=None,
 ) -> ExportResult:
-    """Write the pruned model into ``out`` (an existing, empty staging directory) and verify it there."""
+    """Write the pruned model into ``out`` (an existing, empty staging directory) and verify it there.
+
+    ``heal_fn(pruned_model, plan) -> (healed_model, record)`` (LoRA healing) runs on the physically pruned model once
+    it is checked against the ablated original; the export then ships, and is verified against, the healed model."""
     info = info or {}
     layouts = lm.adapter.layouts(lm.model)
     heads.validate(len(layouts), [lay.num_heads for lay in layouts])
@@ -107,6 +111,15 @@ def export_pruned(
 
     # 1. Physically prune a copy and give it a config that describes the new shapes.
     pruned = pruned_copy(lm.model, lm.adapter, choice.plan)
+    healing = None
+    if heal_fn is not None:
+        ids = sample_prompts(lm, enc).to(lm.device)
+        with torch.no_grad(), ablate(lm, choice.plan):
+            expected = lm.model(input_ids=ids).logits.float()
+        with torch.no_grad():
+            diff, _ = check_logits(expected, pruned(input_ids=ids).logits, lm.dtype, "the pruned model before healing")
+        pruned, healing = heal_fn(pruned, choice.plan)
+        healing["pruned_before_healing_max_abs_logit_diff"] = diff
     if choice.layout == "masked":
         config = lm.adapter.export_config(lm.config, [(lay.num_heads, lay.num_kv_heads) for lay in layouts])
     else:
@@ -146,7 +159,7 @@ def export_pruned(
     write_json(cfg_path, cfg)
 
     # 3. Reload from disk and check it computes what was verified.
-    verification = verify_export(lm, choice, out, enc, progress=progress)
+    verification = verify_export(lm, choice, out, enc, progress=progress, reference=pruned if healing else None)
     log(f"reloaded {out.name}: max |logit diff| {verification['max_abs_logit_diff']:.3g} "
         f"(tolerance {verification['tolerance']:g})")
     mmlu = None
@@ -165,6 +178,10 @@ def export_pruned(
                         ci95_points=[round(d.ci_low, 4), round(d.ci_high, 4)])
         if ablated is not None:
             mmlu["agreement_with_verified"] = round(float((pruned_result.pred == ablated.pred).double().mean()), 6)
+            if healing is not None:  # what was verified before healing, for before/after
+                d = paired_delta(ablated, baseline) if baseline is not None else None
+                mmlu["before_healing"] = {"accuracy": round(ablated.accuracy, 6),
+                                          **({"delta_points": round(d.delta, 4)} if d else {})}
         log(f"exported model: MMLU {100 * pruned_result.accuracy:.2f}% on {mmlu['n']} questions")
     verification.pop("_model", None)
 
@@ -193,6 +210,7 @@ def export_pruned(
         "stats": stats,
         "verification": verification,
         "mmlu": mmlu,
+        "healing": healing,
         "warnings": info.get("warnings", []),
         "dtype": str(lm.dtype).replace("torch.", ""),
     }
@@ -217,14 +235,19 @@ def check_logits(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, 
 
 
 @torch.no_grad()
-def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedTask | None, progress: bool = False) -> dict:
+def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedTask | None, progress: bool = False,
+                  reference=None) -> dict:
+    """Reload ``out`` and compare its logits with the ablated original, or with ``reference`` (the healed model)."""
     from transformers import AutoModelForCausalLM
 
     trust = choice.layout == "per-layer"  # our own modelling file, written a moment ago
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=lm.dtype, trust_remote_code=trust).to(lm.device).eval()
     ids = sample_prompts(lm, enc).to(lm.device)
-    with ablate(lm, choice.plan):
-        expected = lm.model(input_ids=ids).logits.float()
+    if reference is not None:
+        expected = reference(input_ids=ids).logits.float()
+    else:
+        with ablate(lm, choice.plan):
+            expected = lm.model(input_ids=ids).logits.float()
     got = reloaded(input_ids=ids).logits.float()
     diff, tol = check_logits(expected, got, lm.dtype, f"the exported model in {out}")
     result = {"max_abs_logit_diff": diff, "tolerance": round(tol, 6), "prompts": int(ids.shape[0]), "tokens_per_prompt": int(ids.shape[1]),

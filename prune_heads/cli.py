@@ -125,11 +125,19 @@ def _settings(kw: dict, **extra):
 @click.option("--no-export", is_flag=True, help="Stop after the search: report and heads.json, no pruned model.")
 @click.option("--adapter", type=click.Path(file_okay=False), help="A peft LoRA adapter of this base: score and verify "
               "base+adapter, prune the base, and write the sliced adapter to OUT/adapter.")
+@click.option("--heal-steps", type=click.IntRange(min=1), help="After pruning, train LoRA adapters (peft) on the pruned "
+              "model for this many steps, merge them, and re-verify (default: no healing).")
+@click.option("--heal-data", type=click.Path(dir_okay=False), help="Healing text (JSONL 'text' or plain lines); default: "
+              "the --calibration file, else held-out questions of the task, never the verified ones.")
+@click.option("--heal-in-search", is_flag=True, default=None, help="Judge every search point by its accuracy after "
+              "healing (one healing run per point).")
+@click.option("--seed", type=int, help="Seed of the healing run (adapter init and text order); default 0.")
 @click.option("--push-to", metavar="REPO", help="After a verified export, push it to this Hub repo (user/name).")
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, adapter, push_to, private, **kw):
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, adapter, heal_steps, heal_data,
+        heal_in_search, seed, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     within --budget, and write the report, heads.json and plots to --out.
 
@@ -142,7 +150,10 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa,
     from .pipeline import run_prune
 
     settings = _settings(kw, budget=budget, metric=metric, scorer=scorer, layout=layout, max_shard_size=max_shard_size, gqa=gqa,
-                         export=not no_export, adapter=adapter)
+                         export=not no_export, adapter=adapter, heal_steps=heal_steps, heal_data=heal_data,
+                         heal_in_search=heal_in_search, seed=seed)
+    if heal_steps and no_export:
+        raise UserError("--heal-steps heals the exported model; drop --no-export")
     run_prune(settings, kw["out"], kw["force"])
     if push_to:
         if no_export:

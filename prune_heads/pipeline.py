@@ -16,7 +16,7 @@ from .data.mmlu import load_mmlu
 from .data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from .errors import UserError
 from .evaluation import EncodedTask, EvalResult, agreement, answer_kl, encode, encode_task, paired_delta
-from .cache import digest
+from .cache import digest, tokens_digest
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
@@ -63,6 +63,11 @@ class Settings:
     export: bool = True
     resume: bool = False
     adapter: str | None = None  # peft LoRA adapter: score and verify base+adapter, prune the base, slice the adapter
+    heal_steps: int = 0  # LoRA healing steps after pruning (0: none)
+    heal_data: str | None = None  # healing text (default: --calibration, else held-out questions of the task)
+    heal_in_search: bool = False  # judge every search point by its healed accuracy (costs a healing run per point)
+    seed: int = 0
+    heal: dict = field(default_factory=dict)  # recipe's LoRA settings: rank, alpha, learning_rate, batch_size, max_length
     _loaded: dict = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
@@ -86,6 +91,7 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     parallel = search.get("parallel", 1)
     if isinstance(parallel, dict):
         parallel = parallel.get("gpu" if device_type == "cuda" else "cpu", 1)
+    values["heal"] = dict(rec.values.get("heal") or {})
     values.update(grid=tuple(search.get("grid", DEFAULT_GRID)), patience=search.get("patience", 2),
                   refine_steps=search.get("refine_steps", 3), parallel=int(parallel or 1))
     for key, value in flags.items():
@@ -113,12 +119,24 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
         unit_nats = "nat" in str(values["budget"]).lower()
         recipe_metric = recipe_metric if (recipe_metric in ("kl", "kl-text")) == unit_nats else None
     values["metric"] = Budget.parse(values["budget"], explicit or recipe_metric).metric
+    if values.get("heal_in_search") and values.get("metric") == "kl-text":
+        raise UserError("--heal-in-search judges points by the healed model's answers; use --metric accuracy or kl with it")
+    if values.get("heal_in_search") and not values.get("heal_steps"):
+        raise UserError("--heal-in-search judges each point after healing; give the number of steps with --heal-steps N")
+    if values.get("heal_steps") and values.get("adapter"):
+        raise UserError("--heal-steps and --adapter do not combine: healing would change the base the adapter was "
+                        "trained on; heal without --adapter, or slice the adapter without healing")
+    if values.get("heal_steps") and values.get("layout") == "masked":
+        raise UserError("--heal-steps needs a physical layout (--layout auto, uniform or per-layer): a masked export "
+                        "keeps the removed heads' weights, which healing would train")
     s = Settings(model=model, recipe=rec, **{k: v for k, v in values.items() if k in Settings.__dataclass_fields__})
     s._loaded.update(source=source, config=config)
     # Read the data now: a bad path or file fails in seconds, before the weights load.
     load_questions(s)
     if s.kl_text:
         s._loaded["kl_text"] = load_calibration(s.kl_text, s.kl_text_size)
+    if s.heal_data:
+        s._loaded["heal_data"] = load_calibration(s.heal_data)
     if s.calibration:
         s._loaded["calibration"] = load_calibration(s.calibration, s.calibration_size)
     return s
@@ -142,6 +160,54 @@ def load_questions(settings: Settings) -> TaskData:
             data = full.subset(settings.task_limit)
         settings._loaded.update(all_questions=full, questions=data)
     return settings._loaded["questions"]
+
+
+def heal_config(settings: Settings):
+    from .healing import HealConfig
+
+    known = {k: v for k, v in settings.heal.items() if k in HealConfig.__dataclass_fields__ and k not in ("steps", "seed")}
+    return HealConfig(steps=settings.heal_steps, seed=settings.seed, **known)
+
+
+def heal_sequences(lm: LoadedModel, settings: Settings) -> tuple[list[list[int]], str]:
+    """Healing text, never the questions being verified: --heal-data, else the --calibration file, else held-out
+    questions of the task with their answers (as many as the steps consume, at most 1024)."""
+    config = heal_config(settings)
+    if settings.heal_data:
+        texts, source = settings._loaded.get("heal_data") or load_calibration(settings.heal_data), f"file {settings.heal_data}"
+    elif settings.calibration:
+        texts, source = load_calibration(settings.calibration), f"calibration file {settings.calibration}"
+    else:
+        n = min(1024, config.steps * config.batch_size)
+        questions = settings._loaded["all_questions"].held_out(load_questions(settings), n)
+        if not questions:
+            raise UserError(f"healing needs text that is not verified, but every {settings.task} question is evaluated; "
+                            "pass --heal-data FILE")
+        fmt = task_format(settings.task)
+        texts = [fmt.gold_text(q) for q in questions]
+        source = f"{len(texts)} held-out {settings.task} questions with their answers (never the verified ones)"
+    seqs = [x for x in (encode(lm, t)[: config.max_length] for t in texts) if len(x) >= 2]
+    if not seqs:
+        raise UserError(f"the healing text ({source}) has no input of at least 2 tokens")
+    return seqs, source
+
+
+def healer(lm: LoadedModel, settings: Settings):
+    """``heal_fn(pruned_model, plan)`` for export_pruned, or None without --heal-steps."""
+    if not settings.heal_steps:
+        return None, None
+    from .healing import dead_head_slots, heal
+
+    seqs, source = heal_sequences(lm, settings)
+    config = heal_config(settings)
+
+    def heal_fn(model, plan):
+        healed, record = heal(model, seqs, config, settings.progress, log=echo,
+                              dead_heads=dead_head_slots(model, lm.adapter, plan))
+        record["data"] = source
+        return healed, record
+
+    return heal_fn, {"config": config.to_json(), "data": source, "digest": tokens_digest(seqs)}
 
 
 def held_out_sequences(lm: LoadedModel, settings: Settings) -> tuple[list[list[int]], str] | tuple[None, None]:
@@ -322,10 +388,33 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
             result.meta["kl_text"] = work.text_kl(kl_seqs, work.verification_target(heads))
         return result
 
+    heal_fn, heal_key = healer(base_lm, settings)
+
+    def evaluate_healed(heads: HeadSet, label: str) -> EvalResult:
+        """--heal-in-search: the accuracy of the model that would ship, pruned and healed (cached per plan)."""
+        from exporters.layouts import choose_layout
+
+        from .pruning import pruned_copy
+
+        plan = choose_layout(settings.layout, heads, lm.adapter.layouts(lm.model), lm.adapter, lm.config,
+                             torch.finfo(lm.dtype).bits // 8).plan
+
+        def build() -> LoadedModel:
+            echo(f"  healing the pruned model for {label}")
+            healed, _ = heal_fn(pruned_copy(lm.model, lm.adapter, plan), plan)
+            return LoadedModel(healed, lm.tokenizer, lm.adapter, lm.source, lm.dtype, lm.device)
+
+        key = {**work.model_key, "model": "healed:" + digest({"plan": plan.to_json(), **heal_key})}
+        return work.evaluate_built(enc, build, key, f"{label}, healed")
+
     def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
+        if settings.heal_in_search and heads:
+            return evaluate_healed(heads, label)
         return with_text_kl(work.evaluate(enc, work.verification_target(heads), label), heads)
 
     def evaluate_group(sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
+        if settings.heal_in_search:
+            return [evaluate_heads(hs, lab) for hs, lab in zip(sets, labels)]
         return [with_text_kl(r, hs) for r, hs in zip(work.evaluate_group(enc, sets, labels), sets)]
 
     baseline = evaluate_heads(HeadSet(), "unablated")
@@ -398,11 +487,14 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
             report["adapter"] = export_sliced_adapter(lm, work, settings, stage, result.choice.plan, enc, baseline,
                                                       chosen_result)
         else:
-            result = export_pruned(lm, chosen, stage, settings.layout, settings.max_shard_size, enc, baseline, chosen_result,
+            # With --heal-in-search the chosen point was judged healed; before/after healing compares the ablation.
+            ablated = work.evaluate(enc, work.verification_target(chosen), "ablated") if settings.heal_in_search else chosen_result
+            result = export_pruned(lm, chosen, stage, settings.layout, settings.max_shard_size, enc, baseline, ablated,
                                    info, settings.batch_size, settings.progress, log=echo,
-                                   evaluate_exported=work.exported_evaluator(enc))
+                                   evaluate_exported=work.exported_evaluator(enc), heal_fn=heal_fn)
         report["export"] = {"layout": result.choice.layout, "reason": result.choice.reason, "options": result.choice.options,
-                            "stats": result.stats, "verification": result.verification, "mmlu": result.mmlu}
+                            "stats": result.stats, "verification": result.verification, "mmlu": result.mmlu,
+                            "healing": result.manifest.get("healing")}
     report["cache"] = work.cache.stats
     report["seconds"] = round(time.time() - started, 1)
     write_json(stage / "report.json", report)

@@ -124,6 +124,14 @@ class Work:
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 
+    def evaluate_built(self, enc: EncodedTask, build, model_key: dict, label: str = "") -> EvalResult:
+        """Evaluate a model that is expensive to make (a healed one): ``build()`` runs only on a cache miss."""
+        _, key = self._eval_key(enc, None, model_key)
+        hit = self.cache.get("eval", key)
+        if hit is not None:
+            return EvalResult([it.question for it in enc.items], hit["loglik"], label)
+        return self.evaluate(enc, None, label, lm=build(), model_key=model_key)
+
     def exported_evaluator(self, enc: EncodedTask):
         """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
 

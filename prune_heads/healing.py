@@ -1,0 +1,133 @@
+"""LoRA healing of a pruned model (peft), as LLM-Pruner does after structural pruning: a short causal-LM finetune of
+low-rank adapters on text that no verification question has seen, merged back into the weights.
+
+Deterministic for a given seed: the adapter initialisation and the order of the training texts are drawn from it,
+and there is no dropout.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import UserError
+
+# Every linear layer a transformer block has in the supported families (attention and MLP); lm_head is left alone.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    steps: int
+    seed: int = 0
+    rank: int = 8
+    alpha: int = 16
+    learning_rate: float = 2e-4
+    batch_size: int = 4
+    max_length: int = 256
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def dead_head_slots(model: torch.nn.Module, adapter, plan) -> dict[str, tuple[int, list[int]]]:
+    """``{o_proj module name: (head_dim, slots)}`` of the head slots of a pruned model that must stay silent: zero
+    dummy heads that pad a layer to a shape, and the removed heads of a masked layout."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for i, lp in enumerate(plan.layers):
+        dead = [j for j, h in enumerate(lp.slots) if h is None or h in lp.zero_output]
+        if dead:
+            o_proj = adapter.output_projection(adapter.attention(model, i))
+            out[names[id(o_proj)]] = (lp.layout.head_dim, dead)
+    return out
+
+
+def _silence(module: torch.nn.Module, head_dim: int, slots: list[int]):
+    """Zero the listed heads' outputs on their way into o_proj (the LoRA path included)."""
+    def pre_hook(mod, args):
+        x = args[0].clone()
+        for j in slots:
+            x[..., j * head_dim:(j + 1) * head_dim] = 0
+        return (x, *args[1:])
+
+    return module.register_forward_pre_hook(pre_hook)
+
+
+def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig, progress: bool = True, log=print,
+         dead_heads: dict[str, tuple[int, list[int]]] | None = None) -> tuple[torch.nn.Module, dict]:
+    """Train LoRA adapters on ``model`` (modified in place) for ``config.steps`` steps on ``sequences`` (token ids),
+    merge them, and return the merged model (in its original dtype) with the training record.
+
+    ``dead_heads`` (dead_head_slots) stay silent: their outputs are zeroed while training, and their o_proj columns,
+    which the merged o_proj update would otherwise bring back to life, are zeroed after merging, so the merged model
+    computes exactly what was trained and the removed heads stay removed."""
+    from peft import LoraConfig, get_peft_model
+
+    if config.steps <= 0:
+        raise UserError("--heal-steps must be a positive number of training steps")
+    sequences = [s[: config.max_length] for s in sequences if len(s) >= 2]
+    if not sequences:
+        raise UserError("the healing text has no input of at least 2 tokens; pass --heal-data FILE")
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = sorted(names & set(LORA_TARGETS))
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    # Low-precision training on CPU loses small updates; train in float32 and cast back after merging.
+    model.float().train()
+    model.requires_grad_(False)
+    torch.manual_seed(config.seed)
+    peft_model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
+                                                  target_modules=targets, bias="none", task_type="CAUSAL_LM"))
+    dead_heads = dead_heads or {}
+    hooks = [_silence(peft_model.base_model.model.get_submodule(name), d, slots) for name, (d, slots) in dead_heads.items()]
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimiser = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    order = torch.Generator().manual_seed(config.seed)
+    queue: list[int] = []
+    losses = []
+    bar = tqdm(range(config.steps), desc="healing (LoRA)", unit="step", disable=not progress)
+    for _ in bar:
+        if len(queue) < config.batch_size:
+            queue += torch.randperm(len(sequences), generator=order).tolist()
+        batch = [sequences[i] for i in queue[: config.batch_size]]
+        del queue[: config.batch_size]
+        width = max(len(s) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, s in enumerate(batch):
+            ids[row, : len(s)] = torch.tensor(s)
+            mask[row, : len(s)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = peft_model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimiser.step()
+        optimiser.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    bar.close()
+    # What was trained (adapters unmerged, dead heads silenced), to check the merged weights against.
+    probe = torch.tensor([sequences[0][:64]], device=device)
+    peft_model.eval()
+    with torch.no_grad():
+        trained = peft_model(input_ids=probe).logits.float()
+    for h in hooks:
+        h.remove()
+    merged = peft_model.merge_and_unload()
+    with torch.no_grad():
+        for name, (d, slots) in dead_heads.items():
+            weight = merged.get_submodule(name).weight
+            for j in slots:
+                weight[:, j * d:(j + 1) * d] = 0
+        merge_diff = float((merged(input_ids=probe).logits.float() - trained).abs().max())
+    merged.to(dtype).eval()
+    merged.requires_grad_(False)
+    k = max(1, len(losses) // 10)
+    record = {**config.to_json(), "targets": targets, "texts": len(sequences),
+              "trainable_parameters": sum(p.numel() for p in params), "losses": [round(x, 6) for x in losses],
+              "loss_first": round(sum(losses[:k]) / k, 6), "loss_last": round(sum(losses[-k:]) / k, 6),
+              "merge_max_abs_logit_diff": merge_diff}
+    log(f"healed with LoRA (rank {config.rank}, {len(targets)} module types) for {config.steps} steps: loss "
+        f"{record['loss_first']:.4f} -> {record['loss_last']:.4f} (mean of first and last {k} steps)")
+    return merged, record
