@@ -83,6 +83,18 @@ class EncodedTask:
         return sum(len(s.items) for s in self.subjects)
 
 
+def split_blocks(enc: EncodedTask, blocks: int) -> list[EncodedTask]:
+    """``blocks`` parts of the task for sequential evaluation: subjects dealt round-robin, so every part samples the
+    whole range of subjects (a task with one subject is cut into runs of questions)."""
+    if len(enc.subjects) >= blocks:
+        return [EncodedTask(enc.subjects[b::blocks], enc.task) for b in range(blocks)]
+    parts = []
+    for b in range(blocks):
+        subjects = [EncodedSubject(s.name, s.prefix, s.items[b::blocks]) for s in enc.subjects]
+        parts.append(EncodedTask([s for s in subjects if s.items], enc.task))
+    return [p for p in parts if len(p)]
+
+
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -397,6 +409,15 @@ class PairedDelta:
 
     def to_json(self) -> dict:
         return {"delta_points": round(self.delta, 4), "ci95_points": [round(self.ci_low, 4), round(self.ci_high, 4)], "n": self.n}
+
+
+def restricted(baseline: EvalResult, result: EvalResult) -> EvalResult:
+    """``baseline`` on exactly ``result``'s questions, in its order (a point stopped early covers only some)."""
+    if len(result.questions) == len(baseline.questions):
+        return baseline
+    position = {(q.subject, q.index): i for i, q in enumerate(baseline.questions)}
+    rows = torch.tensor([position[(q.subject, q.index)] for q in result.questions])
+    return EvalResult(result.questions, baseline.loglik[rows], baseline.label, baseline.meta)
 
 
 def answer_kl(ablated: EvalResult, baseline: EvalResult) -> torch.Tensor:

@@ -15,14 +15,14 @@ from .data.calibration import load_calibration
 from .data.mmlu import load_mmlu
 from .data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from .errors import UserError
-from .evaluation import EncodedTask, EvalResult, agreement, answer_kl, encode, encode_task, paired_delta
+from .evaluation import EncodedTask, EvalResult, agreement, answer_kl, encode, encode_task, paired_delta, split_blocks
 from .cache import digest, tokens_digest
 from .fileio import StagedDirectory, write_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from .models.loading import EMBEDDED_MODELS, LoadedModel, load_config, load_model, resolve_device, resolve_source
 from .recipes import Recipe, load_recipe, recipe_for
 from .report import accuracy_summary, chance_warning, versions, write_eval_outputs
-from .search import DEFAULT_GRID, METRIC_TASKS, Budget, judge, search_budget
+from .search import DEFAULT_GRID, METRIC_TASKS, Budget, decided_over_budget, judge, search_budget
 from .work import Work
 
 
@@ -53,6 +53,7 @@ class Settings:
     patience: int = 2
     refine_steps: int = 3
     parallel: int = 1  # coarse-grid points evaluated in the same forward passes
+    early_stop_blocks: int = 4  # evaluate a point in this many parts, stopping once its CI puts it over budget (1: off)
     trust_remote_code: bool = False
     allow_pickle: bool = False
     revision: str | None = None
@@ -93,7 +94,8 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
         parallel = parallel.get("gpu" if device_type == "cuda" else "cpu", 1)
     values["heal"] = dict(rec.values.get("heal") or {})
     values.update(grid=tuple(search.get("grid", DEFAULT_GRID)), patience=search.get("patience", 2),
-                  refine_steps=search.get("refine_steps", 3), parallel=int(parallel or 1))
+                  refine_steps=search.get("refine_steps", 3), parallel=int(parallel or 1),
+                  early_stop_blocks=int(search.get("early_stop_blocks", 4) or 1))
     for key, value in flags.items():
         if value is not None:
             values[key] = value
@@ -407,17 +409,27 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
         key = {**work.model_key, "model": "healed:" + digest({"plan": plan.to_json(), **heal_key})}
         return work.evaluate_built(enc, build, key, f"{label}, healed")
 
+    # Early stop: a point is evaluated in blocks of subjects and dropped as soon as its CI puts it over budget.
+    blocks = split_blocks(enc, settings.early_stop_blocks) if (settings.early_stop_blocks > 1 and budget.metric != "kl-text"
+                                                                and not settings.heal_in_search) else None
+    baseline_holder: list[EvalResult] = []
+
     def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
         if settings.heal_in_search and heads:
             return evaluate_healed(heads, label)
-        return with_text_kl(work.evaluate(enc, work.verification_target(heads), label), heads)
+        target = work.verification_target(heads)
+        if blocks and len(blocks) > 1 and heads and baseline_holder:
+            return with_text_kl(work.evaluate_sequential(enc, blocks, target, label, baseline_holder[0],
+                                                         lambda part, base: decided_over_budget(budget, part, base)), heads)
+        return with_text_kl(work.evaluate(enc, target, label), heads)
 
     def evaluate_group(sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
-        if settings.heal_in_search:
+        if settings.heal_in_search or blocks:
             return [evaluate_heads(hs, lab) for hs, lab in zip(sets, labels)]
         return [with_text_kl(r, hs) for r, hs in zip(work.evaluate_group(enc, sets, labels), sets)]
 
     baseline = evaluate_heads(HeadSet(), "unablated")
+    baseline_holder.append(baseline)
     warning = warn_chance(baseline, budget.metric, settings.task)
     echo(f"unablated {settings.task} accuracy {100 * baseline.accuracy:.2f}% on {len(baseline.questions)} questions"
          + (f"; next-token KL measured on {len(kl_seqs)} texts ({kl_source})" if kl_seqs else ""))
@@ -428,7 +440,8 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
             echo(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%): {100 * p.accuracy:6.2f}%  "
                  f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  "
                  f"KL {p.kl:.4f} nat" + (f"  text KL {p.kl_text:.4f} nat" if p.kl_text is not None else "")
-                 + f"  agree {100 * p.agreement:5.1f}%  {mark}")
+                 + f"  agree {100 * p.agreement:5.1f}%  {mark}"
+                 + (f" (decided after {p.delta.n} questions)" if p.result.meta.get("stopped_early") else ""))
 
     ranking = scores.ranking(settings.scorer)
     search = search_budget(ranking, evaluate_heads, baseline, budget, settings.grid, settings.patience,

@@ -47,10 +47,11 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
     a second panel shows the answer KL that the budget limits."""
     pts = sorted(points, key=lambda p: p["fraction"])
     if metric == "kl":
-        return _kl_curve(pts, budget_points, path, title)
+        return _kl_curve(pts, budget_points, path, title, 100 * baseline_accuracy)
     x = [100 * p["fraction"] for p in pts]
-    y = [100 * p["accuracy"] for p in pts]
     base = 100 * baseline_accuracy
+    # Paired: unablated accuracy + the paired difference (a point stopped early covers only part of the questions).
+    y = [base + p["delta_points"] for p in pts]
     lo = [base + p["ci95_points"][0] for p in pts]
     hi = [base + p["ci95_points"][1] for p in pts]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -60,11 +61,11 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
     ax.axhline(base - budget_points, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget_points:g} pt)")
     over = [p for p in pts if not p.get("within_budget", True)]
     if over:
-        ax.plot([100 * p["fraction"] for p in over], [100 * p["accuracy"] for p in over], "x", color="tab:red",
+        ax.plot([100 * p["fraction"] for p in over], [base + p["delta_points"] for p in over], "x", color="tab:red",
                 markersize=9, mew=2, label="over budget")
     chosen = [p for p in pts if p.get("chosen")]
     if chosen:
-        ax.plot([100 * chosen[0]["fraction"]], [100 * chosen[0]["accuracy"]], "*", color="tab:red", markersize=14, label="chosen")
+        ax.plot([100 * chosen[0]["fraction"]], [base + chosen[0]["delta_points"]], "*", color="tab:red", markersize=14, label="chosen")
     ax.set_xlabel("% of heads ablated (dormant first)")
     ax.set_ylabel("MMLU 5-shot accuracy (%)")
     ax.set_title(title or "accuracy vs heads removed", fontsize=10)
@@ -73,7 +74,7 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
     return _save(fig, path)
 
 
-def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str) -> Path:
+def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str, base: float) -> Path:
     x = [100 * p["fraction"] for p in pts]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.0))
     ax1.plot(x, [p["kl_answer_nats"] for p in pts], "o-", color="tab:purple", label="mean answer KL")
@@ -82,7 +83,7 @@ def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str) -> Pa
     ax1.set_ylabel("KL(unablated || ablated), nats")
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
-    ax2.plot(x, [100 * p["accuracy"] for p in pts], "o-", color="tab:blue", label="accuracy")
+    ax2.plot(x, [base + p["delta_points"] for p in pts], "o-", color="tab:blue", label="accuracy (paired)")
     ax2.plot(x, [100 * p["agreement"] for p in pts], "s--", color="tab:green", label="agreement with unablated")
     ax2.set_xlabel("% of heads ablated (dormant first)")
     ax2.set_ylabel("%")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import UserError
-from .evaluation import EvalResult, PairedDelta, agreement, answer_kl, paired_delta
+from .evaluation import EvalResult, PairedDelta, agreement, answer_kl, paired_delta, restricted
 from .heads import HeadSet
 
 DEFAULT_GRID = (0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50)
@@ -80,10 +80,28 @@ class Budget:
 
 
 def judge(budget: Budget, result: EvalResult, baseline: EvalResult) -> tuple[PairedDelta, float, float, bool]:
-    """(paired accuracy delta, mean answer KL in nats, answer agreement, within budget) of one evaluation."""
+    """(paired accuracy delta, mean answer KL in nats, answer agreement, within budget) of one evaluation, on the
+    questions it covers."""
+    baseline = restricted(baseline, result)
     delta = paired_delta(result, baseline)
     kl = float(answer_kl(result, baseline).mean())
     return delta, kl, agreement(result, baseline), budget.allows(delta, kl, result.meta.get("kl_text"))
+
+
+def decided_over_budget(budget: Budget, partial: EvalResult, baseline_part: EvalResult, z: float = 1.96) -> bool:
+    """Early stop: on the questions evaluated so far, does the 95% CI already put this point over budget? (accuracy:
+    the paired difference's upper bound is below -budget; kl: the lower bound of the mean answer KL is above the
+    budget). Points within budget are always evaluated on every question, so the chosen one is never partial."""
+    if budget.metric == "accuracy":
+        return paired_delta(partial, baseline_part, z).ci_high < -budget.points
+    if budget.metric == "kl":
+        kl = answer_kl(partial, baseline_part)
+        n = kl.numel()
+        if n < 2:
+            return False
+        se = float(kl.std(unbiased=True)) / n ** 0.5
+        return float(kl.mean()) - z * se > budget.points
+    return False  # kl-text is measured on other texts, all at once
 
 
 @dataclass
@@ -114,6 +132,7 @@ class SearchPoint:
             "kl_answer_nats": round(self.kl, 6),
             "agreement": round(self.agreement, 6),
             **extra,
+            **({"stopped_early": True} if self.result is not None and self.result.meta.get("stopped_early") else {}),
             "within_budget": self.within_budget,
             "stage": self.stage,
         }

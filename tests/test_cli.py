@@ -253,3 +253,18 @@ def test_usage_errors_are_one_line_too(argv, expected, tmp_path, capsys):
     code, _, err = run_cli(["--model", "x", "--out", tmp_path / "o", *argv], capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
+
+
+def test_search_stops_evaluating_points_its_ci_puts_over_budget(model_dir, tmp_path, capsys):
+    mmlu = _cais_file(tmp_path, n_subjects=4, per_subject=12)
+    out = tmp_path / "early"
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4", "--no-progress",
+                            "--dtype", "float32", "--budget", "0.0005nat", "--no-export", "--mmlu-per-subject", "all"], capsys)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    total = report["task"]["questions"]
+    stopped = [p for p in report["points"] if p.get("stopped_early")]
+    assert stopped and all(p["n"] < total and not p["within_budget"] for p in stopped)
+    assert "decided after" in err
+    chosen = [p for p in report["points"] if p["chosen"]][0]
+    assert chosen["n"] == total and report["final"]["n"] == total

@@ -125,3 +125,31 @@ def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
         alone = evaluate(lm, enc, hs, batch_size=4, progress=False)
         assert torch.equal(res.pred, alone.pred)
         assert torch.allclose(res.loglik, alone.loglik, atol=1e-4)
+
+
+def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one_pass(tmp_path):
+    from prune_heads.evaluation import split_blocks
+    from prune_heads.fileio import StagedDirectory
+    from prune_heads.work import Work
+
+    class S:
+        batch_size, progress = 4, False
+
+    lm = tiny_model("mistral")
+    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=5, per_subject=8))))
+    blocks = split_blocks(enc, 3)
+    assert [len(b.subjects) for b in blocks] == [2, 2, 1] and sum(len(b) for b in blocks) == len(enc)
+    with StagedDirectory(tmp_path / "out", False) as staged:
+        work = Work(lm, S(), staged)
+        base = work.evaluate(enc, None)
+        heads = HeadSet.of({0: [0, 1, 2], 1: [3]})
+        full = work.evaluate_sequential(enc, blocks, heads, "x", base, lambda part, b: False)
+        assert torch.equal(full.loglik, evaluate(lm, enc, heads, batch_size=4, progress=False).loglik)
+        assert [q.index for q in full.questions] == [q.index for q in base.questions] and not full.meta
+        seen = []
+        part = work.evaluate_sequential(enc, blocks, heads, "x", base, lambda p, b: seen.append(len(p.questions)) or True)
+        assert seen == [len(blocks[0])] and part.meta["stopped_early"] and len(part.questions) == len(blocks[0])
+        assert {q.subject for q in part.questions} == {s.name for s in blocks[0].subjects}
+    # Single-subject tasks are cut into runs of questions.
+    one = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=1, per_subject=12))))
+    assert [len(b) for b in split_blocks(one, 3)] == [3, 2, 2]

@@ -9,6 +9,9 @@ def test_builtin_recipes_exist_and_fill_from_default():
     r = load_recipe("smollm2")
     assert r.get("scorer") == "ahon_ln" and r.get("dtype") == "bfloat16"
     assert r.get("mmlu_per_subject", "cpu") == 4 and r.get("mmlu_per_subject", "cuda") is None
+    # SmolLM2-135M answers MMLU at chance: its recipe budgets the answer KL, which has signal there.
+    assert (r.get("metric"), r.get("budget")) == ("kl", "0.02nat")
+    assert load_recipe("default").get("metric") == "accuracy" and load_recipe("default").get("task") == "mmlu"
 
 
 def test_recipe_matching():

@@ -105,3 +105,21 @@ def test_kl_budget_drives_the_search():
     assert 0 < res.best.num_heads < 40 and res.best.kl <= 0.02
     over = [p for p in res.points if not p.within_budget]
     assert over and all(p.kl > 0.02 for p in over)
+
+
+def test_decided_over_budget_uses_the_ci_of_the_questions_so_far():
+    from prune_heads.search import decided_over_budget
+
+    qs = QS[:40]
+    base = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0]] * 40))  # all right
+    # 20 of 40 wrong: delta -50 pt, CI about [-66, -34]: decided over a 1-point budget, not over a 70-point one.
+    half = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0]] * 20 + [[0, 1.0, 0, 0]] * 20))
+    assert decided_over_budget(Budget(1.0), half, base)
+    assert not decided_over_budget(Budget(70.0), half, base)
+    # 1 of 40 wrong: -2.5 pt, CI reaches above -1: not decided.
+    one = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0]] * 39 + [[0, 1.0, 0, 0]]))
+    assert not decided_over_budget(Budget(1.0), one, base)
+    # KL: identical answers -> KL 0, never decided over; a large shift on every question -> decided.
+    assert not decided_over_budget(Budget(0.01, "kl"), base, base)
+    assert decided_over_budget(Budget(0.01, "kl"), EvalResult(qs, torch.tensor([[0, 3.0, 0, 0]] * 40)), base)
+    assert not decided_over_budget(Budget(0.01, "kl-text"), half, base)  # measured elsewhere, all at once
