@@ -1,11 +1,12 @@
 """Benchmark 4: the README's main command on the embedded model, end to end: wall time and peak memory.
 
-    python benchmarks/bench_pipeline.py [--out /tmp/bench-pruned] [extra prune-heads flags...]
+    python benchmarks/bench_pipeline.py [extra prune-heads flags...]
 
 Target: under 10 minutes with the default settings on a 2-core CPU.
 """
 from __future__ import annotations
 
+import json
 import resource
 import shutil
 import subprocess
@@ -20,8 +21,7 @@ from _common import machine, result
 def main() -> None:
     extra = sys.argv[1:]
     out = Path(tempfile.mkdtemp()) / "pruned"
-    cmd = [sys.executable, "-m", "prune_heads.cli", "--model", "smollm2-135m", "--budget", "1%", "--out", str(out),
-           "--no-progress", *extra]
+    cmd = [sys.executable, "-m", "prune_heads.cli", "--model", "smollm2-135m", "--out", str(out), "--no-progress", *extra]
     print(f"machine: {machine()}")
     print("command:", " ".join(cmd[2:]))
     t = time.perf_counter()
@@ -31,10 +31,17 @@ def main() -> None:
     if proc.returncode != 0:
         print(proc.stderr[-3000:])
         raise SystemExit(proc.returncode)
-    print("\n".join(line for line in proc.stderr.splitlines() if "heads" in line or "MMLU" in line or "layout" in line))
+    print("\n".join(line for line in proc.stderr.splitlines() if "heads" in line or "mmlu" in line.lower() or "layout" in line))
+    report = json.loads((out / "report.json").read_text())
+    total = report["task"]["questions"]
+    searched = [p for p in report["points"] if p["num_heads"] > 0]
+    evaluated = sum(p["n"] for p in searched)
+    print(f"search: {len(searched)} points, {sum(1 for p in searched if p.get('stopped_early'))} stopped early; "
+          f"{evaluated} question evaluations of {len(searched) * total} without early stop")
     shutil.rmtree(out.parent, ignore_errors=True)
     result("pipeline_seconds", round(seconds, 1))
     result("pipeline_peak_rss_mb", round(peak_mb))
+    result("early_stop_question_fraction", round(evaluated / max(1, len(searched) * total), 3))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 For each layer: q_proj's lora_B rows follow the query slots, k_proj/v_proj's follow the KV slots (copied KV heads
 copy their rows, zero heads get zero rows), and o_proj's lora_A columns follow the query slots (removed or zero
 heads get zero columns). LoRA biases and DoRA magnitudes of q/k/v are sliced like their rows. A layer that kept no
-heads keeps no attention adapter. DoRA on o_proj is refused: its column norms change when columns go.
+heads keeps no attention adapter. DoRA on o_proj is refused: its column norms change when columns go; so is DoRA on
+q_proj when the export has zero padding heads, whose row norms are zero.
 """
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def _slice(name: str, proj: str, tensor: torch.Tensor, layer: dict) -> torch.Ten
         return _rows(tensor.T, cols, d).T.contiguous()
     if is_a:  # lora_A of q/k/v acts on the (unchanged) hidden size
         return tensor
+    if "magnitude" in name and proj in ("q_proj", "qkv_proj") and any(h is None for h in q_slots):
+        # DoRA divides by the norm of each row of W + BA; a zero padding head's rows are all zero, so that is 0 / 0.
+        raise UserError("this adapter uses DoRA on the query projection, and the export pads some layers with zero "
+                        "query heads, whose DoRA norm would be 0 / 0 (NaN); export with --layout masked, or use a LoRA "
+                        "adapter without DoRA on q_proj")
     if proj == "qkv_proj":  # fused [q | k | v] rows (Phi-3)
         h, kv = layer["original"]["num_heads"], layer["original"]["num_kv_heads"]
         q, k, v = tensor[: h * d], tensor[h * d:(h + kv) * d], tensor[(h + kv) * d:]

@@ -253,8 +253,11 @@ def calibration_sequences(lm: LoadedModel, settings: Settings, enc: EncodedTask 
             raise UserError(f"calibration file {settings.calibration} has no text of at least 2 tokens")
         return seqs, f"file {settings.calibration}"
     assert enc is not None
-    seqs = round_robin([[it.context for it in s.items] for s in enc.subjects], settings.calibration_size)
-    return seqs, "MMLU 5-shot prompts (the verification questions)"
+    # Truncated like calibration texts: a few 5-shot prompts run to thousands of tokens, and eager attention (which
+    # the scoring pass needs for the weights) costs the square of that.
+    seqs = [x[: settings.max_length] for x in round_robin([[it.context for it in s.items] for s in enc.subjects],
+                                                            settings.calibration_size)]
+    return seqs, f"{settings.task} prompts of the verification questions (first {settings.max_length} tokens)"
 
 
 def round_robin(per_subject: list[list], n: int) -> list:
@@ -488,7 +491,7 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     plots.score_heatmap(scores.mean(settings.scorer), settings.scorer, chosen, stage / "scores_heatmap.png",
                         f"{lm.source.spec}: {settings.scorer} (red: {len(chosen)} removed heads)")
     plots.search_curve(points, baseline.accuracy, budget.points, stage / "accuracy_vs_heads.png",
-                       f"{lm.source.spec}: {budget.metric if budget.in_nats else settings.task} vs heads ablated by "
+                       f"{lm.source.spec}: {METRIC_NAMES.get(budget.metric, settings.task)} vs heads ablated by "
                        f"{settings.scorer}", metric=budget.metric)
     if settings.export:
         from exporters.export import export_pruned
@@ -514,6 +517,9 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     what = "pruned model, report" if settings.export else "report"
     echo(f"{what}: {out}", fg="green")
     return PruneRun(lm, settings, scores, baseline, chosen, report, enc, evaluate_heads)
+
+
+METRIC_NAMES = {"kl": "answer KL", "kl-text": "next-token KL on held-out text"}
 
 
 def budget_definition(budget: Budget, task: str) -> str:

@@ -15,7 +15,7 @@ from .errors import UserError
 
 KEYS = {"name", "match", "scorer", "budget", "metric", "task", "task_limit", "kl_text_size", "dtype", "calibration_size",
         "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size", "search", "study", "heal"}
-PER_DEVICE_KEYS = ("mmlu_per_subject", "task_limit", "batch_size")
+PER_DEVICE_KEYS = ("mmlu_per_subject", "mmlu_subjects", "task_limit", "batch_size")
 
 
 @dataclass

@@ -111,3 +111,34 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     plan = choose_layout("auto", heads, merged.adapter.layouts(merged.model), merged.adapter, merged.config, 4).plan
     with ablate(merged, plan):
         assert torch.allclose(logits(full), logits(merged.model), atol=1e-4)
+
+
+def test_dora_on_queries_with_zero_padding_heads_is_refused_and_works_without_them(tmp_path):
+    """DoRA divides each row of W + BA by its norm: a zero padding head's query rows would give 0 / 0."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from prune_heads.errors import UserError
+
+    lm = tiny_model("mistral")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(copy.deepcopy(lm.model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                    use_dora=True, init_lora_weights=False))
+    adapter_dir = tmp_path / "dora"
+    peft_model.save_pretrained(adapter_dir)
+    padded = tmp_path / "padded"
+    padded.mkdir()
+    result = export_pruned(lm, UNEVEN, padded, layout="uniform", log=lambda *a: None, progress=False)
+    assert any(h is None for lp in result.choice.plan.layers for h in lp.slots)  # zero padding heads exist
+    with pytest.raises(UserError, match="DoRA on the query projection.*--layout masked"):
+        slice_adapter(adapter_dir, padded, tmp_path / "s1", log=lambda *a: None)
+    # The masked layout keeps every row: the DoRA adapter slices and reproduces the ablated merged model.
+    masked = tmp_path / "masked"
+    masked.mkdir()
+    result = export_pruned(lm, UNEVEN, masked, layout="masked", log=lambda *a: None, progress=False)
+    sliced = slice_adapter(adapter_dir, masked, tmp_path / "s2", log=lambda *a: None)
+    merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, lm.adapter, lm.source, lm.dtype, lm.device)
+    with ablate(merged, result.choice.plan):
+        expected = logits(merged.model)
+    got = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(masked), sliced))
+    assert torch.isfinite(got).all() and torch.allclose(got, expected, atol=1e-4)

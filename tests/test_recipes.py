@@ -8,7 +8,8 @@ def test_builtin_recipes_exist_and_fill_from_default():
     assert {"default", "llama3", "smollm2", "qwen2.5", "olmo2"} <= set(builtin_recipes())
     r = load_recipe("smollm2")
     assert r.get("scorer") == "ahon_ln" and r.get("dtype") == "bfloat16"
-    assert r.get("mmlu_per_subject", "cpu") == 4 and r.get("mmlu_per_subject", "cuda") is None
+    assert r.get("mmlu_per_subject", "cpu") == 6 and r.get("mmlu_per_subject", "cuda") is None
+    assert len(r.get("mmlu_subjects", "cpu")) == 19 and r.get("mmlu_subjects", "cuda") is None  # all 57 on a GPU
     # SmolLM2-135M answers MMLU at chance: its recipe budgets the answer KL, which has signal there.
     assert (r.get("metric"), r.get("budget")) == ("kl", "0.02nat")
     assert load_recipe("default").get("metric") == "accuracy" and load_recipe("default").get("task") == "mmlu"

@@ -177,3 +177,17 @@ def test_study_ranking_correlation_by_hand():
     r = study_ranking_correlation(a, b)["dynamic"]
     # common x, y, z with ranks (0, 1, 2) and (1, 0, 2): rho = 1 - 6 * 2 / (3 * 8) = 0.5
     assert r["functions"] == 3 and r["spearman"] == pytest.approx(0.5)
+
+
+def test_study_on_another_task(model_dir, tmp_path, capsys):
+    from test_tasks import write_rows
+
+    out = tmp_path / "piqa-study"
+    code, _, err = run_cli(["study", "--model", model_dir, "--task", "piqa", "--task-data", write_rows(tmp_path, "piqa"),
+                            "--functions", "ahon_ln,awft", "--percents", "0,25,50", "--modes", "dynamic,random",
+                            "--out", out, "--no-progress"], capsys)
+    assert code == 0, err
+    study = json.loads((out / "study.json").read_text())
+    assert study["task"] == "piqa" and study["inputs"] == 2 and set(study["ranking"]) == {"dynamic", "random"}
+    assert study["baseline"]["chance"] == 0.5
+    assert "piqa, 2 questions" in (out / "study.md").read_text()
