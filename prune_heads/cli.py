@@ -66,7 +66,7 @@ def common_options(f):
                      "the next-token KL (--metric kl-text); default: held-out questions of the task."),
         click.option("--calibration", type=click.Path(dir_okay=False), help="Score on this text (JSONL 'text' or plain lines) instead of the MMLU prompts."),
         click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),
-        click.option("--max-length", type=click.IntRange(min=2), help="Truncate calibration texts to this many tokens."),
+        click.option("--max-length", type=click.IntRange(min=2), help="Truncate calibration texts and prompts to this many tokens."),
         click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per forward pass."),
         click.option("--no-progress", is_flag=True, help="Hide progress bars."),
     ]
@@ -139,11 +139,14 @@ def _settings(kw: dict, **extra):
 def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, adapter, heal_steps, heal_data,
         heal_in_search, seed, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
-    within --budget, and write the report, heads.json and plots to --out.
+    (or --task's, or the answer KL) within --budget, remove those heads, and write the verified smaller
+    model, report, heads.json and plots to --out.
 
     \b
-    Example (the embedded SmolLM2-135M, offline):
-      prune-heads --model smollm2-135m --budget 1% --out ./pruned
+    Examples:
+      prune-heads --model smollm2-135m --out ./pruned      (embedded, offline; its recipe: 0.02nat)
+      prune-heads --model meta-llama/Llama-3.2-1B --budget 1% --out ./pruned
+      prune-heads --model M --budget 1% --heal-steps 200 --out ./pruned   (then LoRA healing)
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -176,7 +179,7 @@ def score(**kw):
 @common_options
 @click.option("--ablate", type=click.Path(dir_okay=False), help="heads.json of heads to zero ({layer: [head, ...]}).")
 def eval_cmd(ablate, **kw):
-    """Evaluate MMLU 5-shot (optionally with heads ablated); write mmlu.jsonl and summary.json."""
+    """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json."""
     from .pipeline import run_eval
 
     heads = HeadSet.load(ablate) if ablate else None

@@ -642,27 +642,11 @@ def run_export(settings: Settings, heads: HeadSet, out: Path, force: bool, with_
     return result
 
 
-def read_study(path: str | Path) -> dict:
-    """study.json, given as the file or a study output directory."""
-    import json
-
-    p = Path(path)
-    p = p / "study.json" if p.is_dir() else p
-    if not p.is_file():
-        raise UserError(f"{path} is not a study (no study.json); run prune-heads study --out DIR first")
-    try:
-        study = json.loads(p.read_text())
-    except json.JSONDecodeError:
-        raise UserError(f"{p} is not valid JSON; run the study again") from None
-    if "ranking" not in study:
-        raise UserError(f"{p} has no function ranking; it was not written by prune-heads study")
-    return study
-
-
 def run_compare(settings_a: Settings, settings_b: Settings, out: Path, force: bool, studies: tuple | None = None) -> dict:
     """``prune-heads compare A B``: score both models on the same texts and compare their attention behaviour;
     with both models' study results, also the rank correlation of their score-function rankings."""
     from .compare import compare_tables, markdown, study_ranking_correlation
+    from .study import read_study
 
     study_pair = [read_study(p) for p in studies] if studies else None
     from .data.mmlu import build_prompt

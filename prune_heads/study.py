@@ -16,7 +16,9 @@ resumes where it stopped and a later study with more functions reuses what is do
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -209,3 +211,18 @@ def markdown(study: dict, model: str, task: str) -> str:
     for m, best in study["best"].items():
         lines.append(f"\nBest function ({m}): `{best}`.")
     return "\n".join(lines) + "\n"
+
+
+def read_study(path: str | Path) -> dict:
+    """study.json, given as the file or a study output directory."""
+    p = Path(path)
+    p = p / "study.json" if p.is_dir() else p
+    if not p.is_file():
+        raise UserError(f"{path} is not a study (no study.json); run prune-heads study --out DIR first")
+    try:
+        study = json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{p} is not valid JSON; run the study again") from None
+    if "ranking" not in study:
+        raise UserError(f"{p} has no function ranking; it was not written by prune-heads study")
+    return study

@@ -10,28 +10,18 @@ import torch
 from prune_heads.cli import main
 from prune_heads.heads import HeadSet
 from test_mmlu import _cais_file
-from tiny import tiny_model
+from tiny import run_cli, save_tiny
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llama")
-    lm = tiny_model("llama")
-    lm.model.save_pretrained(d)
-    lm.tokenizer.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
 
 @pytest.fixture()
 def mmlu_file(tmp_path):
     return _cais_file(tmp_path, n_subjects=3, per_subject=9)
 
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
 
 def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):

@@ -10,7 +10,7 @@ from prune_heads.healing import HealConfig, dead_head_slots, heal
 from prune_heads.heads import HeadSet
 from prune_heads.pruning import pruned_copy
 from test_mmlu import _cais_file
-from tiny import CORPUS, tiny_model
+from tiny import CORPUS, run_cli, save_tiny, tiny_model
 
 
 def pruned_tiny(layout="uniform"):
@@ -67,20 +67,8 @@ def test_merged_weights_compute_what_was_trained_and_silencing_keeps_padding_hea
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llama_heal")
-    lm = tiny_model("llama")
-    lm.model.save_pretrained(d)
-    lm.tokenizer.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path_factory.mktemp("tiny_llama_heal"), "llama")
 
-
-def run_cli(args, capsys):
-    from prune_heads.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
 
 def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsys):

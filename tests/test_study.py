@@ -11,7 +11,7 @@ from prune_heads.evaluation import EvalResult
 from prune_heads.heads import ScoreTable
 from prune_heads.study import max_within, normalised_auc, run_study, thresholds
 from test_mmlu import _cais_file
-from tiny import tiny_model
+from tiny import run_cli, save_tiny
 
 
 @pytest.mark.parametrize("direction", ["low", "high"])
@@ -107,20 +107,8 @@ def test_run_study_refuses_unknown_functions_and_modes():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_mistral")
-    lm = tiny_model("mistral")
-    lm.model.save_pretrained(d)
-    lm.tokenizer.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path_factory.mktemp("tiny_mistral"), "mistral")
 
-
-def run_cli(args, capsys):
-    from prune_heads.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
 
 def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys, monkeypatch):

@@ -8,13 +8,13 @@ import torch
 
 from prune_heads.ablation import ablate
 from prune_heads.data.mmlu import load_mmlu
-from prune_heads.data.tasks import TASKS, Question, Subject, load_task
+from prune_heads.data.tasks import TASKS, Question, load_task
 from prune_heads.errors import UserError
 from prune_heads.evaluation import (EvalResult, answer_kl, encode_task, evaluate, evaluate_many, evaluate_reference,
                                     next_token_kl)
 from prune_heads.heads import HeadSet
 from test_mmlu import _cais_file
-from tiny import tiny_model
+from tiny import run_cli, save_tiny, tiny_model
 
 # --- fixture files in the Hub schemas -----------------------------------------------------------------------------
 
@@ -207,20 +207,8 @@ def test_next_token_kl_by_hand_and_zero_against_itself():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_qwen2")
-    lm = tiny_model("qwen2")
-    lm.model.save_pretrained(d)
-    lm.tokenizer.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
 
-
-def run_cli(args, capsys):
-    from prune_heads.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
 
 def test_eval_on_piqa_with_ablation_reports_kl_and_agreement(model_dir, tmp_path, capsys):

@@ -97,3 +97,23 @@ def tokenizer():
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([CORPUS], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+
+
+def save_tiny(directory, family: str):
+    """A tiny random model of ``family`` saved as a transformers checkpoint (for the CLI), in ``directory``."""
+    lm = tiny_model(family)
+    lm.model.save_pretrained(directory)
+    lm.tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_cli(args, capsys):
+    """Run ``prune-heads ARGS`` in-process: (exit code, stdout, stderr)."""
+    import pytest
+
+    from prune_heads.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
