@@ -129,9 +129,6 @@ def export_pruned(
                         "use --layout masked")
     config.dtype = lm.dtype
     pruned.config = config
-    pruned.hf_quantizer = None  # GGUF inputs were dequantised on load; the export is a plain checkpoint
-    for attr in ("is_quantized", "quantization_method"):
-        pruned.__dict__.pop(attr, None)
     _check_disk(out, pruned)
 
     # 2. Write it. A full disk mid-write removes what was written, so no partial export is left behind.

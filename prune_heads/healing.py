@@ -72,8 +72,10 @@ def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig,
         raise UserError("the healing text has no input of at least 2 tokens; pass --heal-data FILE")
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     targets = sorted(names & set(LORA_TARGETS))
-    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
-    # Low-precision training on CPU loses small updates; train in float32 and cast back after merging.
+    device = next(model.parameters()).device
+    # Low-precision training on CPU loses small updates: train in float32, then give every parameter and buffer its
+    # own dtype back (not one dtype for all: RoPE's inv_freq stays float32 in a bfloat16 model).
+    dtypes = {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
     model.float().train()
     model.requires_grad_(False)
     torch.manual_seed(config.seed)
@@ -121,7 +123,10 @@ def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig,
             for j in slots:
                 weight[:, j * d:(j + 1) * d] = 0
         merge_diff = float((merged(input_ids=probe).logits.float() - trained).abs().max())
-    merged.to(dtype).eval()
+        for name, t in [*merged.named_parameters(), *merged.named_buffers()]:
+            if name in dtypes and t.dtype != dtypes[name]:
+                t.data = t.data.to(dtypes[name])
+    merged.eval()
     merged.requires_grad_(False)
     k = max(1, len(losses) // 10)
     record = {**config.to_json(), "targets": targets, "texts": len(sequences),

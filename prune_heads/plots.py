@@ -121,7 +121,8 @@ def study_curves(study: dict, path: Path, title: str = "") -> Path:
     modes = [m for m in ("dynamic", "static") if m in study["ranking"]] or ["random"]
     rows = study["curves"]
     functions = sorted({r["function"] for r in rows if r["mode"] != "random"})
-    colors = {f: plt.get_cmap("tab20")(i % 20) for i, f in enumerate(functions)}
+    cmap = plt.get_cmap("tab10" if len(functions) <= 10 else "tab20")
+    colors = {f: cmap(i % cmap.N) for i, f in enumerate(functions)}
     base = 100 * study["baseline_accuracy"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.6), squeeze=False, sharey=True)
     for ax, mode in zip(axes[0], modes):
@@ -143,7 +144,7 @@ def study_curves(study: dict, path: Path, title: str = "") -> Path:
         ax.set_title(f"{mode} ablation", fontsize=10)
         ax.set_xlabel("% of heads zeroed (mean over inputs)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2, loc="lower left")
+        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     axes[0][0].set_ylabel("accuracy (%)")
     fig.suptitle(title or "accuracy vs heads zeroed, per score function (legend: max % within budget)", fontsize=10)
     fig.tight_layout()

@@ -262,7 +262,11 @@ def apply_plan(model: nn.Module, adapter: ArchAdapter, plan: PrunePlan) -> None:
 
 
 def pruned_copy(model: nn.Module, adapter: ArchAdapter, plan: PrunePlan) -> nn.Module:
-    """A deep copy of ``model`` with the plan applied (the original is left untouched)."""
+    """A deep copy of ``model`` with the plan applied (the original is left untouched). The copy is a plain model:
+    a GGUF source was dequantised on load, so its quantizer flags (which forbid casting and training) are dropped."""
     new = copy.deepcopy(model)
     apply_plan(new, adapter, plan)
+    new.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        new.__dict__.pop(attr, None)
     return new

@@ -194,7 +194,7 @@ def markdown(study: dict, model: str, task: str) -> str:
                        key=lambda f: rows.get((f, modes[0]), {}).get("rank", 0) if modes else 0)
     lines = [f"# Score functions on {model}", "",
              f"{task}, {study['inputs']} questions; unablated accuracy {100 * study['baseline_accuracy']:.2f}%; budget "
-             f"{study['budget_points']:g} points. *max %*: the largest % of heads zeroed within the budget (linear "
+             f"{study['budget_points']:g} pt. *max %*: the largest % of heads zeroed within the budget (linear "
              "interpolation along the curve); *AUC*: mean accuracy (%) over the zeroed range.", ""]
     head = "| function |" + "".join(f" {m} max % | {m} AUC | {m} rank |" for m in modes)
     lines += [head, "|---|" + "---|---|---|" * len(modes)]

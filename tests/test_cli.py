@@ -144,7 +144,8 @@ def test_real_smollm2_end_to_end(tmp_path):
     pytest.importorskip("gguf")
     out = tmp_path / "pruned"
     cmd = [sys.executable, "-m", "prune_heads.cli", "--model", "smollm2-135m", "--budget", "1%", "--out", str(out),
-           "--mmlu-per-subject", "1", "--mmlu-subjects", "6", "--calibration-size", "6", "--no-progress"]
+           "--mmlu-per-subject", "1", "--mmlu-subjects", "6", "--calibration-size", "6", "--no-progress",
+           "--heal-steps", "2"]  # healing a GGUF-loaded (dequantised) model too
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -157,6 +158,8 @@ def test_real_smollm2_end_to_end(tmp_path):
     # 6 questions cannot tell the model from chance: the run must say so.
     assert report["warnings"] and "chance" in report["warnings"][0] and "chance" in proc.stderr
     assert json.loads((out / "heads.json").read_text()) == report["heads"]
+    heal = report["export"]["healing"]
+    assert heal["steps"] == 2 and heal["merge_max_abs_logit_diff"] < 1e-2 and len(heal["losses"]) == 2
 
 
 def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(model_dir, mmlu_file, tmp_path, capsys, monkeypatch):

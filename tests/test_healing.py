@@ -121,3 +121,18 @@ def test_heal_in_search_judges_points_after_healing(model_dir, tmp_path, capsys)
 def test_healing_option_errors(model_dir, tmp_path, capsys, extra, message):
     code, _, err = run_cli(["--model", model_dir, "--out", tmp_path / "x"] + extra, capsys)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_healing_gives_every_tensor_its_dtype_back():
+    """A bfloat16 model keeps float32 RoPE frequencies; healing trains in float32 and must restore both."""
+    lm, plan, model = pruned_tiny("uniform")
+    model.to(torch.bfloat16)
+    rotary = dict(model.named_buffers())
+    rotary = {n: b for n, b in rotary.items() if "inv_freq" in n}
+    for b in rotary.values():
+        b.data = b.data.float()
+    before = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    healed, _ = heal(model, texts(lm), HealConfig(steps=2, batch_size=2), progress=False, log=lambda m: None,
+                     dead_heads=dead_head_slots(model, lm.adapter, plan))
+    after = {n: t.dtype for n, t in [*healed.named_parameters(), *healed.named_buffers()]}
+    assert after == before and any(d == torch.float32 for d in after.values())
