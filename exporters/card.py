@@ -25,8 +25,9 @@ def model_card(meta: dict) -> str:
         f"# {base}, {meta['heads_removed']} attention heads removed",
         "",
         f"Pruned with [prune-heads](https://github.com/prune-heads/prune-heads) {meta['prune_heads_version']}: "
-        f"heads ranked by `{meta['scorer']}` (inactive heads score low), the largest set within an MMLU budget of "
-        f"{meta['budget']} verified, then their q/k/v rows and o_proj columns removed.",
+        f"heads ranked by `{meta['scorer']}`, the largest set within a budget of {meta['budget']} verified"
+        + (f" ({meta['budget_definition']})" if meta.get("budget_definition") else "")
+        + ", then their q/k/v rows and o_proj columns removed.",
         "",
         "| | before | after |",
         "|---|---|---|",
@@ -37,8 +38,11 @@ def model_card(meta: dict) -> str:
     ]
     if mmlu:
         ci = mmlu.get("ci95_points", [float("nan")] * 2)
-        lines.append(f"| MMLU 5-shot ({mmlu['n']} questions) | {_pct(mmlu['baseline_accuracy'])} | "
+        lines.append(f"| {meta.get('task', 'mmlu')} accuracy ({mmlu['n']} questions) | {_pct(mmlu['baseline_accuracy'])} | "
                      f"{_pct(mmlu['pruned_accuracy'])} (delta {mmlu['delta_points']:+.2f} pt, 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]) |")
+        if "kl_answer_nats" in mmlu:
+            lines.append(f"| answer KL from the original | 0 | {mmlu['kl_answer_nats']:.4f} nat "
+                         f"({_pct(mmlu['agreement_with_unablated'])} same answers) |")
     heal = meta.get("healing")
     if heal:
         before_heal = (mmlu.get("before_healing") or {}).get("accuracy")

@@ -20,7 +20,7 @@ import torch
 from prune_heads import __version__
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
-from prune_heads.evaluation import EncodedTask, EvalResult, evaluate, paired_delta
+from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
 from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
@@ -172,13 +172,17 @@ def export_pruned(
         if baseline is not None:
             d = paired_delta(pruned_result, baseline)
             mmlu.update(baseline_accuracy=round(baseline.accuracy, 6), delta_points=round(d.delta, 4),
-                        ci95_points=[round(d.ci_low, 4), round(d.ci_high, 4)])
+                        ci95_points=[round(d.ci_low, 4), round(d.ci_high, 4)],
+                        kl_answer_nats=round(float(answer_kl(pruned_result, baseline).mean()), 6),
+                        agreement_with_unablated=round(agreement(pruned_result, baseline), 6))
         if ablated is not None:
             mmlu["agreement_with_verified"] = round(float((pruned_result.pred == ablated.pred).double().mean()), 6)
             if healing is not None:  # what was verified before healing, for before/after
                 d = paired_delta(ablated, baseline) if baseline is not None else None
                 mmlu["before_healing"] = {"accuracy": round(ablated.accuracy, 6),
-                                          **({"delta_points": round(d.delta, 4)} if d else {})}
+                                          **({"delta_points": round(d.delta, 4),
+                                              "kl_answer_nats": round(float(answer_kl(ablated, baseline).mean()), 6)}
+                                             if d else {})}
         log(f"exported model: MMLU {100 * pruned_result.accuracy:.2f}% on {mmlu['n']} questions")
     verification.pop("_model", None)
 
@@ -200,6 +204,8 @@ def export_pruned(
         "heads_removed": len(heads),
         "scorer": info.get("scorer"),
         "budget": info.get("budget"),
+        "budget_definition": info.get("budget_definition"),
+        "task": info.get("task") or (enc.task if enc is not None else None),
         "layout": choice.layout,
         "layout_reason": choice.reason,
         "layout_options": choice.options,

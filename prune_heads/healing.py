@@ -6,6 +6,7 @@ and there is no dropout.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -79,8 +80,10 @@ def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig,
     model.float().train()
     model.requires_grad_(False)
     torch.manual_seed(config.seed)
-    peft_model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
-                                                  target_modules=targets, bias="none", task_type="CAUSAL_LM"))
+    with warnings.catch_warnings():  # peft asks the model about gradient checkpointing with a deprecated name
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
+                                                      target_modules=targets, bias="none", task_type="CAUSAL_LM"))
     dead_heads = dead_heads or {}
     hooks = [_silence(peft_model.base_model.model.get_submodule(name), d, slots) for name, (d, slots) in dead_heads.items()]
     params = [p for p in peft_model.parameters() if p.requires_grad]

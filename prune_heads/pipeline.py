@@ -496,7 +496,8 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
     if settings.export:
         from exporters.export import export_pruned
 
-        info = {"scorer": settings.scorer, "budget": settings.budget, "warnings": report["warnings"]}
+        info = {"scorer": settings.scorer, "budget": settings.budget, "warnings": report["warnings"],
+                "budget_definition": report["budget"]["definition"], "task": settings.task}
         if settings.adapter:  # the base export is checked on logits; MMLU is checked with the sliced adapter below
             result = export_pruned(base_lm, chosen, stage, settings.layout, settings.max_shard_size, None, None, None,
                                    info, settings.batch_size, settings.progress, log=echo)
