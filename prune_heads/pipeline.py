@@ -649,16 +649,16 @@ def run_compare(settings_a: Settings, settings_b: Settings, out: Path, force: bo
     from .compare import compare_tables, markdown, study_ranking_correlation
     from .study import read_study
 
-    study_pair = [read_study(p) for p in studies] if studies else None
-    from .data.mmlu import build_prompt
     from .fileio import write_text
+
+    study_pair = [read_study(p) for p in studies] if studies else None
 
     with StagedDirectory(out, force) as staged:
         if settings_a.calibration:
             texts = load_calibration(settings_a.calibration, settings_a.calibration_size)
-        else:  # the same MMLU prompts, as text (each model tokenises them its own way), round-robin over subjects
-            data = load_questions(settings_a)
-            texts = round_robin([[build_prompt(s, q) for q in s.questions] for s in data.subjects],
+        else:  # the same task prompts, as text (each model tokenises them its own way), round-robin over subjects
+            data, fmt = load_questions(settings_a), task_format(settings_a.task)
+            texts = round_robin([[fmt.requests(s, q)[0][0] for q in s.questions] for s in data.subjects],
                                 settings_a.calibration_size)
         tables, names = [], []
         for settings in (settings_a, settings_b):
