@@ -11,8 +11,10 @@ Three paths compute the same numbers:
   exemplars, so their KV cache is computed once per subject and ablation mask, and only the question tokens run on
   top of it, in batches; only the answer position's logits are computed;
 - ``evaluate``, batched path: questions whose tokens do not extend a shared prefix or whose answers span several
-  tokens (the cloze tasks), and per-question ablation masks (dynamic ablation): every (context, continuation)
-  request in right-padded batches, each row with its own mask, logits only at the continuation positions.
+  tokens (the cloze tasks), and per-question ablation masks (dynamic ablation). A question's choices share its
+  context: it runs once into a KV cache and the choices run on top (WinoGrande's per-choice contexts instead go as
+  (context, continuation) requests in right-padded batches, each row with its own mask, logits only at the
+  continuation positions).
 """
 from __future__ import annotations
 
@@ -245,13 +247,20 @@ def _batched_loglik(lm: LoadedModel, items: Sequence[EncodedQuestion], batch_siz
     """Every (context, continuation) request of ``items`` in right-padded batches, longest first; with ``row_masks``
     (one [L, H] mask per item) each row is ablated with its own question's mask. Logits are computed only at the
     positions that predict continuation tokens."""
-    requests = []  # (item, choice, model input, continuation, position predicting its first token)
+    out = [[0.0] * len(it.continuations) for it in items]
+    separate = []
     for i, it in enumerate(items):
+        if it.contexts is None and len(it.context) >= 2:
+            out[i] = _shared_context_loglik(lm, it, abl, None if row_masks is None else row_masks[i])
+        else:
+            separate.append(i)
+    requests = []  # (item, choice, model input, continuation, position predicting its first token)
+    for i in separate:
+        it = items[i]
         for c in range(len(it.continuations)):
             context, cont = it.request(c)
             requests.append((i, c, (context + cont)[:-1], cont, len(context) - 1))
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))
-    out = [[0.0] * len(it.continuations) for it in items]
     dev = lm.device
     for start in range(0, len(order), batch_size):
         chunk = [requests[r] for r in order[start:start + batch_size]]
@@ -268,6 +277,29 @@ def _batched_loglik(lm: LoadedModel, items: Sequence[EncodedQuestion], batch_siz
         for row, (i, c, _, cont, first) in enumerate(chunk):
             lp = _logprobs_at(logits[row, [where[first + j] for j in range(len(cont))]])  # [len(cont), V]
             out[i][c] = float(lp[torch.arange(len(cont)), torch.tensor(cont)].sum())
+    return out
+
+
+@torch.no_grad()
+def _shared_context_loglik(lm: LoadedModel, item: EncodedQuestion, abl=None, mask: torch.Tensor | None = None) -> list[float]:
+    """One question whose choices share its context: the context (but its last token) runs once into a KV cache,
+    then every choice's ``[last context token] + continuation[:-1]`` runs on top of it, one row per choice (right
+    padding after a row's tokens cannot reach them). ``mask``: this question's own [L, H] ablation."""
+    dev, n = lm.device, len(item.continuations)
+    if mask is not None:
+        abl.set_mask(mask[None])
+    cache = lm.model(input_ids=torch.tensor([item.context[:-1]], device=dev), use_cache=True, logits_to_keep=1).cache
+    rows = [[item.context[-1]] + cont[:-1] for cont in item.continuations]
+    ids = torch.zeros(n, max(len(r) for r in rows), dtype=torch.long)
+    for c, r in enumerate(rows):
+        ids[c, : len(r)] = torch.tensor(r)
+    if mask is not None:
+        abl.set_mask(mask[None].expand(n, *mask.shape))
+    logits = lm.model(input_ids=ids.to(dev), cache=_expand_cache(cache, n), use_cache=True).logits  # [n, width, V]
+    out = []
+    for c, cont in enumerate(item.continuations):
+        lp = _logprobs_at(logits[c, : len(cont)])
+        out.append(float(lp[torch.arange(len(cont)), torch.tensor(cont)].sum()))
     return out
 
 
