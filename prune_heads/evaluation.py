@@ -204,8 +204,10 @@ def _mask_getter(lm: LoadedModel, masks: MaskSpec) -> Callable[[int], torch.Tens
 
 
 def _per_question(masks: MaskSpec) -> bool:
-    return callable(masks) and not isinstance(masks, (HeadSet, PrunePlan, torch.Tensor)) or (
-        isinstance(masks, torch.Tensor) and masks.dim() == 3)
+    """A mask per question: a [N, L, H] tensor or a function of the question index."""
+    if isinstance(masks, torch.Tensor):
+        return masks.dim() == 3
+    return callable(masks) and not isinstance(masks, (HeadSet, PrunePlan))
 
 
 def _logprobs_at(logits: torch.Tensor) -> torch.Tensor:
@@ -450,6 +452,13 @@ def restricted(baseline: EvalResult, result: EvalResult) -> EvalResult:
     position = {(q.subject, q.index): i for i, q in enumerate(baseline.questions)}
     rows = torch.tensor([position[(q.subject, q.index)] for q in result.questions])
     return EvalResult(result.questions, baseline.loglik[rows], baseline.label, baseline.meta)
+
+
+def in_order_of(reference: EvalResult, result: EvalResult) -> EvalResult:
+    """``result`` (the same questions in another order) laid out in ``reference``'s question order."""
+    position = {(q.subject, q.index): i for i, q in enumerate(result.questions)}
+    rows = torch.tensor([position[(q.subject, q.index)] for q in reference.questions])
+    return EvalResult(reference.questions, result.loglik[rows], result.label, result.meta)
 
 
 def answer_kl(ablated: EvalResult, baseline: EvalResult) -> torch.Tensor:

@@ -171,27 +171,34 @@ def heal_config(settings: Settings):
     return HealConfig(steps=settings.heal_steps, seed=settings.seed, **known)
 
 
-def heal_sequences(lm: LoadedModel, settings: Settings) -> tuple[list[list[int]], str]:
+def held_out_texts(settings: Settings, n: int, need: str, flag: str) -> tuple[list[str], str]:
+    """Up to ``n`` questions of the task that are neither evaluated nor exemplars, with their answers, as text."""
+    questions = settings._loaded["all_questions"].held_out(load_questions(settings), n)
+    if not questions:
+        raise UserError(f"{need} needs held-out text, but every {settings.task} question is evaluated; pass {flag} FILE "
+                        "or evaluate fewer questions")
+    fmt = task_format(settings.task)
+    return [fmt.gold_text(q) for q in questions], f"{len(questions)} held-out {settings.task} questions with their answers"
+
+
+def encoded_texts(lm: LoadedModel, texts: list[str], max_length: int, source: str) -> list[list[int]]:
+    seqs = [x for x in (encode(lm, t)[:max_length] for t in texts) if len(x) >= 2]
+    if not seqs:
+        raise UserError(f"the text from {source} has no input of at least 2 tokens")
+    return seqs
+
+
+def heal_sequences(lm: LoadedModel, settings: Settings, config) -> tuple[list[list[int]], str]:
     """Healing text, never the questions being verified: --heal-data, else the --calibration file, else held-out
     questions of the task with their answers (as many as the steps consume, at most 1024)."""
-    config = heal_config(settings)
     if settings.heal_data:
         texts, source = settings._loaded.get("heal_data") or load_calibration(settings.heal_data), f"file {settings.heal_data}"
     elif settings.calibration:
         texts, source = load_calibration(settings.calibration), f"calibration file {settings.calibration}"
     else:
-        n = min(1024, config.steps * config.batch_size)
-        questions = settings._loaded["all_questions"].held_out(load_questions(settings), n)
-        if not questions:
-            raise UserError(f"healing needs text that is not verified, but every {settings.task} question is evaluated; "
-                            "pass --heal-data FILE")
-        fmt = task_format(settings.task)
-        texts = [fmt.gold_text(q) for q in questions]
-        source = f"{len(texts)} held-out {settings.task} questions with their answers (never the verified ones)"
-    seqs = [x for x in (encode(lm, t)[: config.max_length] for t in texts) if len(x) >= 2]
-    if not seqs:
-        raise UserError(f"the healing text ({source}) has no input of at least 2 tokens")
-    return seqs, source
+        texts, source = held_out_texts(settings, min(1024, config.steps * config.batch_size), "healing", "--heal-data")
+        source += " (never the verified ones)"
+    return encoded_texts(lm, texts, config.max_length, source), source
 
 
 def healer(lm: LoadedModel, settings: Settings):
@@ -200,8 +207,8 @@ def healer(lm: LoadedModel, settings: Settings):
         return None, None
     from .healing import dead_head_slots, heal
 
-    seqs, source = heal_sequences(lm, settings)
     config = heal_config(settings)
+    seqs, source = heal_sequences(lm, settings, config)
 
     def heal_fn(model, plan):
         healed, record = heal(model, seqs, config, settings.progress, log=echo,
@@ -210,6 +217,9 @@ def healer(lm: LoadedModel, settings: Settings):
         return healed, record
 
     return heal_fn, {"config": config.to_json(), "data": source, "digest": tokens_digest(seqs)}
+
+
+KL_TEXT_MAX_TOKENS = 256  # per held-out text: the next-token KL needs full-vocabulary logits at every position
 
 
 def held_out_sequences(lm: LoadedModel, settings: Settings) -> tuple[list[list[int]], str] | tuple[None, None]:
@@ -228,17 +238,9 @@ def held_out_sequences(lm: LoadedModel, settings: Settings) -> tuple[list[list[i
             raise UserError(f"--metric kl-text needs held-out text, but {settings.calibration} has no lines after the "
                             f"{settings.calibration_size} used for scoring; pass --kl-text FILE")
     else:
-        data = load_questions(settings)
-        fmt = task_format(settings.task)
-        questions = settings._loaded["all_questions"].held_out(data, n)
-        if not questions:
-            raise UserError(f"--metric kl-text needs held-out text, but every {settings.task} question is evaluated; "
-                            "pass --kl-text FILE or evaluate fewer questions")
-        texts = [fmt.gold_text(q) for q in questions]
-        source = f"{len(texts)} held-out {settings.task} questions with their answers (not evaluated, not scored)"
-    seqs = [s for s in (encode(lm, t)[:256] for t in texts) if len(s) >= 2]
-    if not seqs:
-        raise UserError("the held-out text for --metric kl-text has no line of at least 2 tokens")
+        texts, source = held_out_texts(settings, n, "--metric kl-text", "--kl-text")
+        source += " (not evaluated, not scored)"
+    seqs = encoded_texts(lm, texts, KL_TEXT_MAX_TOKENS, source)
     return seqs, source
 
 
@@ -388,9 +390,9 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
 
     kl_seqs, kl_source = held_out_sequences(lm, settings)
 
-    def with_text_kl(result: EvalResult, heads: HeadSet) -> EvalResult:
+    def with_text_kl(result: EvalResult, target) -> EvalResult:
         if kl_seqs is not None:
-            result.meta["kl_text"] = work.text_kl(kl_seqs, work.verification_target(heads))
+            result.meta["kl_text"] = work.text_kl(kl_seqs, target)
         return result
 
     heal_fn, heal_key = healer(base_lm, settings)
@@ -412,27 +414,25 @@ def _prune(settings: Settings, staged: StagedDirectory, out: Path) -> PruneRun:
         key = {**work.model_key, "model": "healed:" + digest({"plan": plan.to_json(), **heal_key})}
         return work.evaluate_built(enc, build, key, f"{label}, healed")
 
+    baseline = with_text_kl(work.evaluate(enc, None, "unablated"), None)
     # Early stop: a point is evaluated in blocks of subjects and dropped as soon as its CI puts it over budget.
     blocks = split_blocks(enc, settings.early_stop_blocks) if (settings.early_stop_blocks > 1 and budget.metric != "kl-text"
-                                                                and not settings.heal_in_search) else None
-    baseline_holder: list[EvalResult] = []
+                                                                and not settings.heal_in_search) else []
 
     def evaluate_heads(heads: HeadSet, label: str) -> EvalResult:
         if settings.heal_in_search and heads:
             return evaluate_healed(heads, label)
         target = work.verification_target(heads)
-        if blocks and len(blocks) > 1 and heads and baseline_holder:
-            return with_text_kl(work.evaluate_sequential(enc, blocks, target, label, baseline_holder[0],
-                                                         lambda part, base: decided_over_budget(budget, part, base)), heads)
-        return with_text_kl(work.evaluate(enc, target, label), heads)
+        if len(blocks) > 1 and heads:
+            return with_text_kl(work.evaluate_sequential(blocks, target, label, baseline,
+                                                         lambda part, base: decided_over_budget(budget, part, base)), target)
+        return with_text_kl(work.evaluate(enc, target, label), target)
 
     def evaluate_group(sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
         if settings.heal_in_search or blocks:
             return [evaluate_heads(hs, lab) for hs, lab in zip(sets, labels)]
-        return [with_text_kl(r, hs) for r, hs in zip(work.evaluate_group(enc, sets, labels), sets)]
+        return [with_text_kl(r, work.verification_target(hs)) for r, hs in zip(work.evaluate_group(enc, sets, labels), sets)]
 
-    baseline = evaluate_heads(HeadSet(), "unablated")
-    baseline_holder.append(baseline)
     warning = warn_chance(baseline, budget.metric, settings.task)
     echo(f"unablated {settings.task} accuracy {100 * baseline.accuracy:.2f}% on {len(baseline.questions)} questions"
          + (f"; next-token KL measured on {len(kl_seqs)} texts ({kl_source})" if kl_seqs else ""))

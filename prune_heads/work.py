@@ -8,7 +8,7 @@ import click
 import torch
 
 from .cache import ResultCache, tokens_digest
-from .evaluation import EncodedTask, EvalResult, evaluate, evaluate_many, next_token_kl
+from .evaluation import EncodedTask, EvalResult, evaluate, evaluate_many, in_order_of, next_token_kl, restricted
 from .fileio import StagedDirectory
 from .heads import HeadSet, ScoreTable
 from .models.loading import LoadedModel
@@ -124,28 +124,22 @@ class Work:
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 
-    def evaluate_sequential(self, enc: EncodedTask, blocks: list[EncodedTask], target, label: str,
-                            baseline: EvalResult, stop) -> EvalResult:
+    def evaluate_sequential(self, blocks: list[EncodedTask], target, label: str, baseline: EvalResult,
+                            stop) -> EvalResult:
         """Evaluate ``target`` block by block (each block cached on its own) and stop as soon as ``stop(partial,
         baseline on the same questions)`` says the point is decided. Returns the questions evaluated so far, in
-        block order, with ``meta["stopped_early"]``; the full result in ``enc`` order when every block ran."""
-        position = {(q.subject, q.index): i for i, q in enumerate(baseline.questions)}
+        block order, with ``meta["stopped_early"]``; the full result in the baseline's order when every block ran."""
         done: list[EvalResult] = []
         for b, block in enumerate(blocks):
             done.append(self.evaluate(block, target, f"{label} [{b + 1}/{len(blocks)}]"))
-            questions = [q for r in done for q in r.questions]
-            rows = torch.tensor([position[(q.subject, q.index)] for q in questions])
             width = max(r.loglik.shape[1] for r in done)
-            loglik = torch.cat([torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[1]), value=float("-inf"))
-                                for r in done])
+            partial = EvalResult([q for r in done for q in r.questions], torch.cat(
+                [torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[1]), value=float("-inf")) for r in done]),
+                label)
             if b + 1 == len(blocks):
-                full = torch.full((len(baseline.questions), baseline.loglik.shape[1]), float("-inf"), dtype=torch.float64)
-                full[rows, : loglik.shape[1]] = loglik
-                return EvalResult(baseline.questions, full, label)
-            partial = EvalResult(questions, loglik, label)
-            if stop(partial, EvalResult(questions, baseline.loglik[rows], "unablated")):
-                partial.meta["stopped_early"] = True
-                partial.meta["questions_evaluated"] = len(questions)
+                return in_order_of(baseline, partial)
+            if stop(partial, restricted(baseline, partial)):
+                partial.meta.update(stopped_early=True, questions_evaluated=len(partial.questions))
                 return partial
         raise AssertionError("no blocks")
 

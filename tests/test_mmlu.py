@@ -143,11 +143,11 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
         work = Work(lm, S(), staged)
         base = work.evaluate(enc, None)
         heads = HeadSet.of({0: [0, 1, 2], 1: [3]})
-        full = work.evaluate_sequential(enc, blocks, heads, "x", base, lambda part, b: False)
+        full = work.evaluate_sequential(blocks, heads, "x", base, lambda part, b: False)
         assert torch.equal(full.loglik, evaluate(lm, enc, heads, batch_size=4, progress=False).loglik)
         assert [q.index for q in full.questions] == [q.index for q in base.questions] and not full.meta
         seen = []
-        part = work.evaluate_sequential(enc, blocks, heads, "x", base, lambda p, b: seen.append(len(p.questions)) or True)
+        part = work.evaluate_sequential(blocks, heads, "x", base, lambda p, b: seen.append(len(p.questions)) or True)
         assert seen == [len(blocks[0])] and part.meta["stopped_early"] and len(part.questions) == len(blocks[0])
         assert {q.subject for q in part.questions} == {s.name for s in blocks[0].subjects}
     # Single-subject tasks are cut into runs of questions.

@@ -142,8 +142,8 @@ class MMLULetters(TaskFormat):
     def prefix(self, subject):
         return self.description(subject.name) + "".join(f"{self.text(e)} {LETTERS[e.gold]}\n\n" for e in subject.exemplars)
 
-    def gold_text(self, q):
-        return MMLUCloze.gold_text(self, q)
+    def gold_text(self, q):  # the 0-shot cloze form: an exemplar-free question with its answer text
+        return TASKS["mmlu-cloze"].gold_text(q)
 
     def requests(self, subject, q):
         context = self.prefix(subject) + self.text(q)
@@ -160,9 +160,6 @@ class MMLUCloze(TaskFormat):
 
     def text(self, q):
         return f"Question: {q.question.strip()}\nAnswer:"
-
-    def gold_text(self, q):
-        return f"Question: {q.question.strip()}\nAnswer: {q.choices[q.gold]}"
 
 
 class QuestionAnswer(TaskFormat):
