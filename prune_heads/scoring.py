@@ -1,11 +1,12 @@
 """All score functions from one forward pass per batch.
 
-Per layer, three hooks collect what the functions need, and the layer's statistics are reduced to
-``[batch, head]`` values before the next layer runs (nothing ``[seq, seq]``-sized outlives its layer):
+Per layer, three probes collect what the functions need, and the layer's statistics are reduced to
+``[batch, head]`` values before the next layer runs:
 
-- the value projection's output  -> ||v_j|| per KV head          (ftvvn, avvn)
-- o_proj's input (head outputs)  -> ||o_i||, ||W_O^h o_i^h||     (lthon, ahon, ahon_wo)
-- the attention module's output  -> softmax weights A (eager)    (awft, aeqd)
+- the value projection's output  -> ||v_j|| per KV head                      (ftvvn, avvn)
+- the attention itself           -> first-token weight and entropy per query (awft, aeqd), from
+                                    :mod:`.attention_stats`: no ``[seq, seq]`` weights are materialised
+- o_proj's input (head outputs)  -> ||o_i||, ||W_O^h o_i^h||                 (lthon, ahon, ahon_wo)
 
 Right padding: row ``b`` holds ``length[b]`` real tokens at positions ``0..length[b]-1``; statistics
 average over those positions only. Under a causal mask, padding after the real tokens cannot change them.
@@ -18,6 +19,7 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from . import attention_stats
 from .heads import BASE_KEYS, ScoreTable
 from .models.loading import LoadedModel
 
@@ -25,17 +27,28 @@ _EPS = 1e-12
 
 
 @contextmanager
-def eager_attention(lm: LoadedModel) -> Iterator[None]:
-    """Attention weights are only materialised by the eager implementation; switch to it for the pass."""
+def attention_implementation(lm: LoadedModel, name: str) -> Iterator[None]:
+    """Run the model with another ``attn_implementation`` for the duration, then restore its own."""
     model = lm.model
     previous = model.config._attn_implementation
-    if previous != "eager":
-        model.set_attn_implementation("eager")
+    if previous != name:
+        model.set_attn_implementation(name)
     try:
         yield
     finally:
-        if previous != "eager":
+        if previous != name:
             model.set_attn_implementation(previous)
+
+
+def eager_attention(lm: LoadedModel):
+    """transformers' reference attention, which can return the weights (used by tests as the reference)."""
+    return attention_implementation(lm, "eager")
+
+
+def stats_attention(lm: LoadedModel):
+    """Attention that reports first-token weights and entropies (see :mod:`.attention_stats`)."""
+    attention_stats.register()
+    return attention_implementation(lm, attention_stats.IMPLEMENTATION)
 
 
 class _ScoringProbe:
@@ -48,9 +61,12 @@ class _ScoringProbe:
         self.token_mask: torch.Tensor | None = None  # [B, S] bool
         self.lengths: torch.Tensor | None = None  # [B]
         self._v_norm: dict[int, torch.Tensor] = {}
+        self._attention: dict[int, attention_stats.AttentionStats] = {}
+        self._gram: dict[int, torch.Tensor] = {}
         self._o_stats: dict[int, dict[str, torch.Tensor]] = {}
         self.results: dict[str, list[torch.Tensor]] = {}
         self._handles: list = []
+        self._attention_modules: list[torch.nn.Module] = []
 
     # -- reductions -----------------------------------------------------------------------------------------
 
@@ -76,10 +92,15 @@ class _ScoringProbe:
 
         def pre_hook(module, args):
             o = args[0].float().view(*args[0].shape[:-1], layout.num_heads, layout.head_dim)  # [B, S, H, D]
-            w = o_proj.weight.float().view(o_proj.out_features, layout.num_heads, layout.head_dim)  # [out, H, D]
             o_norm = o.norm(dim=-1)  # [B, S, H]
-            # Each head's contribution to the residual stream, W_O[:, h] o_i^h, one head at a time to bound memory.
-            wo_norm = torch.stack([(o[:, :, h] @ w[:, h].T).norm(dim=-1) for h in range(layout.num_heads)], dim=-1)
+            # Each head's contribution to the residual stream, ||W_O^h o_i^h||, as sqrt(o^T G_h o) with the head's
+            # Gram matrix G_h = W_O^h^T W_O^h ([D, D]): a D x D product per head instead of D x hidden.
+            gram = self._gram.get(layer)
+            if gram is None:
+                w = o_proj.weight.float().view(o_proj.out_features, layout.num_heads, layout.head_dim)  # [out, H, D]
+                gram = self._gram[layer] = torch.einsum("ohd,ohe->hde", w, w)  # [H, D, D]
+            wo_sq = (torch.einsum("bshd,hde->bshe", o, gram) * o).sum(-1)
+            wo_norm = wo_sq.clamp(min=0).sqrt()  # [B, S, H]
             last = (self.lengths - 1).clamp(min=0)
             rows = torch.arange(o.shape[0], device=o.device)
             self._o_stats[layer] = {
@@ -90,19 +111,24 @@ class _ScoringProbe:
 
         return pre_hook
 
+    def _on_attention_stats(self, layer: int):
+        def receiver(stats: attention_stats.AttentionStats) -> None:
+            self._attention[layer] = stats
+
+        return receiver
+
     def _on_attention(self, layer: int):
         layout = self.layouts[layer]
 
         def hook(module, args, output):
-            weights = output[1]
-            if weights is None:
-                raise RuntimeError("attention weights were not returned; the scoring pass needs eager attention")
-            a = weights  # [B, H, S_q, S_k], in the model's dtype: no float32 copy of the largest tensor of the pass
-            qmask = self.token_mask.float()[:, None, :]  # [B, 1, S_q]
+            attn = self._attention.pop(layer, None)
+            if attn is None:
+                raise RuntimeError(f"layer {layer}: attention statistics were not reported; the scoring pass needs "
+                                   f"attn_implementation={attention_stats.IMPLEMENTATION!r}")
+            qmask = self.token_mask[:, None, :]  # [B, 1, S_q]: padding queries count for nothing
             n = self.lengths.float()[:, None]
-            awft = (a[..., 0].float() * qmask).sum(-1) / n  # [B, H]
-            entropy = torch.special.entr(a).sum(-1, dtype=torch.float32)  # -sum_j A_ij log A_ij, [B, H, S_q]
-            aeqd = (entropy * qmask).sum(-1) / n
+            awft = torch.where(qmask, attn.first_token_weight, 0.0).sum(-1) / n  # [B, H]
+            aeqd = torch.where(qmask, attn.entropy, 0.0).sum(-1) / n
             v_norm = self._v_norm.pop(layer)  # [B, S, KV]
             v_per_head = v_norm.repeat_interleave(layout.group_size, dim=-1)  # [B, S, H]: the KV head each reads
             stats = dict(self._o_stats.pop(layer))
@@ -129,12 +155,17 @@ class _ScoringProbe:
                 o_proj.register_forward_pre_hook(self._on_head_outputs(layer, o_proj)),
                 attn.register_forward_hook(self._on_attention(layer)),
             ]
+            attention_stats.receive(attn, self._on_attention_stats(layer))
+            self._attention_modules.append(attn)
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for attn in self._attention_modules:
+            attention_stats.receive(attn, None)
+        self._attention_modules.clear()
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -170,7 +201,7 @@ def score_heads(
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))  # similar lengths batch together
     per_input: dict[str, list[torch.Tensor | None]] = {}
     bar = tqdm(total=len(sequences), desc="scoring heads", unit="input", disable=not progress)
-    with eager_attention(lm), _ScoringProbe(lm) as probe:
+    with stats_attention(lm), _ScoringProbe(lm) as probe:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             lengths = torch.tensor([len(sequences[i]) for i in idx])

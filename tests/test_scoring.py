@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from prune_heads import attention_stats
 from prune_heads.heads import BASE_KEYS, SCORE_KEYS
 from prune_heads.scoring import eager_attention, score_heads
 from tiny import FAMILIES, tiny_model
@@ -72,8 +73,13 @@ def naive_scores(lm, ids):
     return res
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernel", "explicit-blocks"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_score_matches_naive_reference_with_padding_and_gqa(family):
+def test_every_score_matches_naive_reference_with_padding_and_gqa(family, fused, monkeypatch):
+    """Both ways of getting attention statistics (one fused CPU flash call; explicit blocks of queries, which is also
+    the path for soft-capped logits and other devices) against the eager weights."""
+    monkeypatch.setattr(attention_stats, "use_fused_kernel", fused)
+    monkeypatch.setattr(attention_stats, "QUERY_BLOCK", 4)  # several blocks per sequence
     lm = tiny_model(family)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (14, 9, 11)]  # padded batch of 3
