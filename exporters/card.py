@@ -66,7 +66,8 @@ def model_card(meta: dict) -> str:
     lines += ["## Verification", "",
               "Reloaded from these files in the same run: max |logit difference| against "
               + ("the healed model" if heal else "the ablated original") + " "
-              f"{v['max_abs_logit_diff']:.3g} on {v['prompts']} prompts ({v['dtype']}, tolerance {v['tolerance']:g}).", "",
+              f"{v['max_abs_logit_diff']:.3g} on {v['prompts']} prompts (computed in {v.get('compared_in', v['dtype'])}, "
+              f"tolerance {v['tolerance']:g}).", "",
               "## Removed heads", "", "`prune_heads.json` lists the removed heads per layer (original indices), the plan "
               "(which original head sits in each new slot), the scorer, budget and source model hash.", ""]
     return "\n".join(lines)

@@ -558,7 +558,7 @@ def export_sliced_adapter(merged: LoadedModel, work: Work, settings: Settings, s
     from transformers import AutoModelForCausalLM
 
     from exporters.adapter import slice_adapter
-    from exporters.export import check_logits, sample_prompts
+    from exporters.export import compare_models, sample_prompts
 
     from .ablation import ablate
 
@@ -567,9 +567,9 @@ def export_sliced_adapter(merged: LoadedModel, work: Work, settings: Settings, s
     base = AutoModelForCausalLM.from_pretrained(stage, dtype=merged.dtype, trust_remote_code=trust)
     model = PeftModel.from_pretrained(base, out).merge_and_unload().to(merged.device).eval()
     ids = sample_prompts(merged, enc).to(merged.device)
-    with ablate(merged, plan):
-        expected = merged.model(input_ids=ids).logits.float()
-    diff, tol = check_logits(expected, model(input_ids=ids).logits, merged.dtype, "pruned base + sliced adapter")
+    check = compare_models(merged.model, model, ids, merged.dtype, "pruned base + sliced adapter",
+                           lambda: ablate(merged, plan))
+    diff, tol = check["max_abs_logit_diff"], check["tolerance"]
     reloaded = LoadedModel(model, merged.tokenizer, merged.adapter, merged.source, merged.dtype, merged.device)
     result = work.evaluate(enc, None, "pruned base + sliced adapter", lm=reloaded,
                            model_key={**work.model_key, "model": f"sliced-adapter:{digest(plan.to_json())}"})

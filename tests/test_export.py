@@ -212,3 +212,54 @@ def test_a_per_layer_export_is_refused_as_input_with_a_clear_error(tmp_path):
     export_pruned(lm, UNEVEN, tmp_path, layout="per-layer", log=lambda *a: None, progress=False)
     with pytest.raises(UserError, match="different attention head counts per layer"):
         load_model(str(tmp_path), trust_remote_code=True)
+
+
+def _bf16(family: str):
+    """A tiny model in bfloat16 (parameters only: RoPE's inv_freq stays float32, as when transformers loads bf16)."""
+    import dataclasses
+
+    lm = tiny_model(family)
+    for p in lm.model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return dataclasses.replace(lm, dtype=torch.bfloat16)
+
+
+def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from exporters.export import verify_export
+
+    lm = _bf16("llama")
+    before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+    result = export_pruned(lm, EVEN, tmp_path, layout="uniform", log=lambda *a: None, progress=False)
+    v = result.verification
+    assert v["compared_in"] == "float32" and v["dtype"] == "bfloat16"
+    assert v["max_abs_logit_diff"] <= v["tolerance"] and v["argmax_agreement"] == 1.0
+    # The original came back bit for bit, in bf16.
+    for n, p in lm.model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
+    # The reloaded model handed on for evaluation is the bf16 model a user gets from from_pretrained.
+    again = verify_export(lm, result.choice, tmp_path, None)
+    handed_on = again["_model"].model
+    assert all(p.dtype == torch.bfloat16 for p in handed_on.parameters())
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert torch.equal(logits(handed_on), logits(fresh))
+
+
+def test_float32_comparison_catches_a_one_percent_error_in_one_head_and_falls_back_when_memory_is_short(monkeypatch):
+    import copy
+
+    from exporters import export as ex
+
+    lm = _bf16("qwen2")
+    wrong = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        wrong.model.layers[1].self_attn.o_proj.weight[:, :16] *= 1.01  # head 0 of layer 1, 1% off
+    with pytest.raises(RuntimeError, match="does not reproduce"):
+        ex.compare_models(lm.model, wrong, IDS, torch.bfloat16, "the wrong copy")
+    right = copy.deepcopy(lm.model)
+    assert ex.compare_models(lm.model, right, IDS, torch.bfloat16, "a copy")["max_abs_logit_diff"] == 0.0
+    monkeypatch.setattr(ex, "_available_bytes", lambda device: 1 << 10)  # 1 KiB free: no room for float32 copies
+    check = ex.compare_models(lm.model, right, IDS, torch.bfloat16, "a copy")
+    assert check["compared_in"] == "bfloat16" and check["tolerance"] == pytest.approx(
+        ex.LOGIT_RTOL[torch.bfloat16] * max(1.0, float(logits(lm.model).float().abs().max())), rel=1e-3)
