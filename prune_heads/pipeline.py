@@ -255,8 +255,8 @@ def calibration_sequences(lm: LoadedModel, settings: Settings, enc: EncodedTask 
             raise UserError(f"calibration file {settings.calibration} has no text of at least 2 tokens")
         return seqs, f"file {settings.calibration}"
     assert enc is not None
-    # Truncated like calibration texts: a few 5-shot prompts run to thousands of tokens, and eager attention (which
-    # the scoring pass needs for the weights) costs the square of that.
+    # Truncated like calibration texts: a few 5-shot prompts run to thousands of tokens, and attention (with the
+    # statistics the scoring pass collects) costs the square of that.
     seqs = [x[: settings.max_length] for x in round_robin([[it.context for it in s.items] for s in enc.subjects],
                                                             settings.calibration_size)]
     return seqs, f"{settings.task} prompts of the verification questions (first {settings.max_length} tokens)"
