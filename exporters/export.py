@@ -22,7 +22,7 @@ from prune_heads import __version__
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
 from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
-from prune_heads.fileio import sha256_file, write_json, write_text
+from prune_heads.fileio import read_json, sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
@@ -317,12 +317,8 @@ def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: Encoded
 def read_manifest(directory: Path) -> dict:
     """The manifest of a complete, verified export, or a UserError saying what is wrong."""
     path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise UserError(f"{directory} is not a prune-heads export (no {MANIFEST}); export one with prune-heads or prune-heads export")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise UserError(f"{path} is corrupt; export the model again") from None
+    meta = read_json(path, f"{directory} is not a prune-heads export (no {MANIFEST}); export one with prune-heads or "
+                     "prune-heads export", f"{path} is corrupt; export the model again")
     if not meta.get("verified"):
         raise UserError(f"{directory} was not verified; export it again")
     for name, digest in (meta.get("files") or {}).items():

@@ -57,16 +57,21 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def _causal_mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Additive causal mask ``[1, 1, S_q, S_k]``, queries aligned with the last keys."""
+    s_q, s_k = query.shape[2], key.shape[2]
+    rows = torch.arange(s_q, device=query.device)[:, None] + (s_k - s_q)
+    hidden = torch.arange(s_k, device=query.device)[None, :] > rows
+    return torch.zeros(s_q, s_k, dtype=query.dtype, device=query.device).masked_fill(hidden, torch.finfo(query.dtype).min)[None, None]
+
+
 def _fused_cpu(query, key, value, mask, scale):
     """One flash-attention call with the key sum as extra value channels; returns (out, key_sum, lse)."""
     d = query.shape[-1]
-    zeros = torch.zeros_like(query)
-    wide_q = torch.cat([query, zeros], dim=-1)
+    wide_q = torch.cat([query, torch.zeros_like(query)], dim=-1)
     wide_k = torch.cat([key, torch.zeros_like(key)], dim=-1)
     wide_v = torch.cat([value, (key.float() - key[:, :, :1].float()).to(key.dtype)], dim=-1)
-    if mask is not None:
-        mask = mask.to(query.dtype)
-    out, lse = _FLASH_CPU(wide_q, wide_k, wide_v, 0.0, mask is None, attn_mask=mask, scale=scale)
+    out, lse = _FLASH_CPU(wide_q, wide_k, wide_v, 0.0, False, attn_mask=mask.to(query.dtype), scale=scale)
     return out[..., :d], out[..., d:], lse
 
 
@@ -79,12 +84,7 @@ def _explicit(query, key, value, mask, scale, softcap):
         scores = torch.matmul(q, key.transpose(2, 3)).float() * scale  # [B, H, block, S]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            scores = scores + mask[:, :, start:start + QUERY_BLOCK].float()
-        else:  # causal, queries aligned with the last keys
-            offset = key.shape[2] - s_len + start
-            rows = torch.arange(q.shape[2], device=q.device)[:, None] + offset
-            scores = scores.masked_fill(torch.arange(key.shape[2], device=q.device)[None, :] > rows, float("-inf"))
+        scores = scores + mask[:, :, start:start + QUERY_BLOCK].float()
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         p = torch.exp(scores - lse)
         outs.append(torch.matmul(p.to(value.dtype), value))
@@ -99,7 +99,7 @@ def attention_with_stats(
     query: torch.Tensor,  # [B, H, S, D]
     key: torch.Tensor,  # [B, KV, S, D]
     value: torch.Tensor,  # [B, KV, S, D]
-    attention_mask: torch.Tensor | None,  # [B, 1, S, S] additive (eager mask), or None for plain causal
+    attention_mask: torch.Tensor | None,  # [B, 1, S, S] additive (eager mask); None means plain causal
     dropout: float = 0.0,
     scaling: float | None = None,
     softcap: float | None = None,
@@ -109,12 +109,13 @@ def attention_with_stats(
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if attention_mask is None:
+        attention_mask = _causal_mask(query, key)
     if use_fused_kernel and softcap is None and query.device.type == "cpu" and _FLASH_CPU is not None:
         out, key_sum, lse = _fused_cpu(query, key, value, attention_mask, scale)
         q = query.float()
         first_score = scale * (q * key[:, :, :1].float()).sum(-1)  # s_i0, [B, H, S]
-        masked_first = first_score if attention_mask is None else first_score + attention_mask[:, :, :, 0].float()
-        first = torch.exp(masked_first - lse)
+        first = torch.exp(first_score + attention_mask[:, :, :, 0].float() - lse)
         entropy = (lse - first_score) - scale * (q * key_sum.float()).sum(-1)
     else:
         out, entropy, first = _explicit(query, key, value, attention_mask, scale, softcap)

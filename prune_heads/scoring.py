@@ -61,7 +61,7 @@ class _ScoringProbe:
         self.token_mask: torch.Tensor | None = None  # [B, S] bool
         self.lengths: torch.Tensor | None = None  # [B]
         self._v_norm: dict[int, torch.Tensor] = {}
-        self._attention: dict[int, attention_stats.AttentionStats] = {}
+        self._attention: dict[int, dict[str, torch.Tensor]] = {}
         self._gram: dict[int, torch.Tensor] = {}
         self._o_stats: dict[int, dict[str, torch.Tensor]] = {}
         self.results: dict[str, list[torch.Tensor]] = {}
@@ -113,7 +113,12 @@ class _ScoringProbe:
 
     def _on_attention_stats(self, layer: int):
         def receiver(stats: attention_stats.AttentionStats) -> None:
-            self._attention[layer] = stats
+            qmask = self.token_mask[:, None, :]  # [B, 1, S_q]: padding queries count for nothing
+            n = self.lengths.float()[:, None]
+            self._attention[layer] = {
+                "awft": torch.where(qmask, stats.first_token_weight, 0.0).sum(-1) / n,  # [B, H]
+                "aeqd": torch.where(qmask, stats.entropy, 0.0).sum(-1) / n,
+            }
 
         return receiver
 
@@ -125,19 +130,10 @@ class _ScoringProbe:
             if attn is None:
                 raise RuntimeError(f"layer {layer}: attention statistics were not reported; the scoring pass needs "
                                    f"attn_implementation={attention_stats.IMPLEMENTATION!r}")
-            qmask = self.token_mask[:, None, :]  # [B, 1, S_q]: padding queries count for nothing
-            n = self.lengths.float()[:, None]
-            awft = torch.where(qmask, attn.first_token_weight, 0.0).sum(-1) / n  # [B, H]
-            aeqd = torch.where(qmask, attn.entropy, 0.0).sum(-1) / n
             v_norm = self._v_norm.pop(layer)  # [B, S, KV]
             v_per_head = v_norm.repeat_interleave(layout.group_size, dim=-1)  # [B, S, H]: the KV head each reads
-            stats = dict(self._o_stats.pop(layer))
-            stats.update(
-                awft=awft,
-                aeqd=aeqd,
-                ftvvn=v_per_head[:, 0],
-                avvn=self._masked_mean(v_per_head, 1),
-            )
+            stats = {**self._o_stats.pop(layer), **attn,
+                     "ftvvn": v_per_head[:, 0], "avvn": self._masked_mean(v_per_head, 1)}
             for key in BASE_KEYS:
                 self.results.setdefault(key, [None] * len(self.layouts))[layer] = stats[key]
 

@@ -16,7 +16,6 @@ resumes where it stopped and a later study with more functions reuses what is do
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from .ablation import dynamic_masks
 from .errors import UserError
 from .evaluation import EvalResult, agreement, answer_kl, paired_delta
+from .fileio import read_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 
 DEFAULT_PERCENTS = (0, 5, 10, 15, 20, 25, 30)
@@ -217,12 +217,8 @@ def read_study(path: str | Path) -> dict:
     """study.json, given as the file or a study output directory."""
     p = Path(path)
     p = p / "study.json" if p.is_dir() else p
-    if not p.is_file():
-        raise UserError(f"{path} is not a study (no study.json); run prune-heads study --out DIR first")
-    try:
-        study = json.loads(p.read_text())
-    except json.JSONDecodeError:
-        raise UserError(f"{p} is not valid JSON; run the study again") from None
+    study = read_json(p, f"{path} is not a study (no study.json); run prune-heads study --out DIR first",
+                      f"{p} is not valid JSON; run the study again")
     if "ranking" not in study:
         raise UserError(f"{p} has no function ranking; it was not written by prune-heads study")
     return study

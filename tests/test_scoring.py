@@ -115,3 +115,24 @@ def test_scoring_leaves_model_unchanged():
     assert lm.config._attn_implementation == "sdpa"
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.model.modules())
     assert torch.equal(lm.model(input_ids=ids).logits, before)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernel", "explicit-blocks"])
+def test_attention_statistics_without_a_mask_are_causal_and_match_softmax(fused, monkeypatch):
+    """Called directly with no mask (plain causal), against softmax weights computed by hand, with GQA."""
+    monkeypatch.setattr(attention_stats, "use_fused_kernel", fused)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 7, 8, generator=g) * 2 for h in (4, 2, 2))
+    module = torch.nn.Module()
+    got = []
+    attention_stats.receive(module, got.append)
+    try:
+        out, _ = attention_stats.attention_with_stats(module, q, k, v, None, scaling=0.3)
+    finally:
+        attention_stats.receive(module, None)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ kk.transpose(2, 3) * 0.3).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    p = scores.softmax(-1)
+    assert torch.allclose(out, (p @ vv).transpose(1, 2), atol=1e-5)
+    assert torch.allclose(got[0].first_token_weight, p[..., 0], atol=1e-6)
+    assert torch.allclose(got[0].entropy, torch.special.entr(p).sum(-1), atol=1e-5)
