@@ -21,7 +21,7 @@ from _common import machine, result
 def main() -> None:
     extra = sys.argv[1:]
     out = Path(tempfile.mkdtemp()) / "pruned"
-    cmd = [sys.executable, "-m", "prune_heads.cli", "--model", "smollm2-135m", "--out", str(out), "--no-progress", *extra]
+    cmd = [sys.executable, "-m", "prune_heads_cli", "--model", "smollm2-135m", "--out", str(out), "--no-progress", *extra]
     print(f"machine: {machine()}")
     print("command:", " ".join(cmd[2:]))
     t = time.perf_counter()

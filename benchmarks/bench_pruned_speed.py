@@ -131,7 +131,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     lm = load_model(args.model, args.dtype, args.device)
-    layouts = lm.adapter.layouts(lm.model)
+    layouts = lm.adapter.geometries(lm.model)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "pruned").mkdir()
     (tmp / "unpruned").mkdir()

@@ -8,73 +8,103 @@ q_proj when the export has zero padding heads, whose row norms are zero.
 """
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
-from prune_heads.fileio import atomic_write, write_json
-from prune_heads.pruning import _rows
+from prune_heads.fileio import atomic_write, read_json, write_json
+from prune_heads.geometry import head_rows
+from prune_heads.models.adapters import ArchAdapter, adapter_for
+from prune_heads.planning import LayerPlan, PrunePlan
+from prune_heads.verify import compare_models, sample_prompts
 
 from .export import read_manifest
 
-_KEY = re.compile(r"\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|qkv_proj)\.(.+)$")
 
-
-def _slice(name: str, proj: str, tensor: torch.Tensor, layer: dict) -> torch.Tensor:
-    d = layer["original"]["head_dim"]
-    q_slots, kv_slots = layer["query_slots"], layer["kv_slots"]
-    zero = set(layer["zero_output"])
+def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, adapter: ArchAdapter) -> torch.Tensor:
+    """One LoRA tensor of a projection whose rows (or, for "o", columns) are indexed by heads of ``kind``."""
+    d = lp.geometry.head_dim
     is_a = ".lora_A." in name or name.endswith("lora_A.weight")
-    if proj == "o_proj":
+    if kind == "o":
         if "magnitude" in name:
             raise UserError("DoRA on o_proj cannot be sliced exactly (its column norms change); re-train without "
                             "o_proj in target_modules, or use --layout masked for the base")
         if not is_a:  # lora_B and lora biases of o_proj act on the hidden size, which does not change
             return tensor
-        cols = [None if h is None or h in zero else h for h in q_slots]
-        return _rows(tensor.T, cols, d).T.contiguous()
+        cols = [None if h is None or h in lp.zero_output else h for h in lp.slots]
+        return head_rows(tensor.T, cols, d).T.contiguous()
     if is_a:  # lora_A of q/k/v acts on the (unchanged) hidden size
         return tensor
-    if "magnitude" in name and proj in ("q_proj", "qkv_proj") and any(h is None for h in q_slots):
+    if "magnitude" in name and kind in ("q", "qkv") and any(h is None for h in lp.slots):
         # DoRA divides by the norm of each row of W + BA; a zero padding head's rows are all zero, so that is 0 / 0.
         raise UserError("this adapter uses DoRA on the query projection, and the export pads some layers with zero "
                         "query heads, whose DoRA norm would be 0 / 0 (NaN); export with --layout masked, or use a LoRA "
                         "adapter without DoRA on q_proj")
-    if proj == "qkv_proj":  # fused [q | k | v] rows (Phi-3)
-        h, kv = layer["original"]["num_heads"], layer["original"]["num_kv_heads"]
-        q, k, v = tensor[: h * d], tensor[h * d:(h + kv) * d], tensor[(h + kv) * d:]
-        return torch.cat([_rows(q, q_slots, d), _rows(k, kv_slots, d), _rows(v, kv_slots, d)]).contiguous()
-    return _rows(tensor, q_slots if proj == "q_proj" else kv_slots, d).contiguous()
+    if kind == "qkv":  # fused [q | k | v] rows (Phi-3)
+        q, k, v = adapter.split_qkv_rows(tensor, lp.geometry)
+        return torch.cat([head_rows(q, lp.slots, d), head_rows(k, lp.kv_slots, d),
+                          head_rows(v, lp.kv_slots, d)]).contiguous()
+    return head_rows(tensor, lp.slots if kind == "q" else lp.kv_slots, d).contiguous()
 
 
-def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Path, log=print) -> Path:
-    adapter_dir, pruned_dir, out = Path(adapter_dir), Path(pruned_dir), Path(out)
-    meta = read_manifest(pruned_dir)
+def read_adapter_config(adapter_dir: Path) -> dict:
+    """The adapter_config.json of a peft LoRA adapter directory, or a UserError saying what it is not."""
     cfg_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     if not cfg_path.is_file() or not weights_path.is_file():
         raise UserError(f"{adapter_dir} is not a peft adapter (needs adapter_config.json and adapter_model.safetensors)")
-    config = json.loads(cfg_path.read_text())
-    if config.get("peft_type") != "LORA":
-        raise UserError(f"{adapter_dir} is a {config.get('peft_type')} adapter; only LoRA (and DoRA) adapters can be sliced")
-    layers = meta["plan"]["layers"]
+    config = read_json(cfg_path, f"{cfg_path} is missing", f"{cfg_path} is not valid JSON; fix or re-save the adapter")
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
+        raise UserError(f"{adapter_dir} is a {kind} adapter; only LoRA (and DoRA) adapters can be sliced")
+    return config
+
+
+def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Path, log=print) -> Path:
+    """Write ``adapter_dir``'s LoRA adapter, sliced by the plan in ``pruned_dir``'s manifest, into ``out``."""
+    adapter_dir, pruned_dir, out = Path(adapter_dir), Path(pruned_dir), Path(out)
+    config = read_adapter_config(adapter_dir)
+    meta = read_manifest(pruned_dir)
+    plan = PrunePlan.from_json(meta.get("plan") or {})
+    weights_path = adapter_dir / "adapter_model.safetensors"
+    model_type = read_json(pruned_dir / "config.json", f"{pruned_dir} has no config.json; export it again",
+                           f"{pruned_dir}/config.json is corrupt; export it again").get("model_type")
+    adapter = adapter_for(model_type)
+    pattern = adapter.attention_key()
     state = load_file(str(weights_path))
     sliced = {}
     for name, tensor in state.items():
-        m = _KEY.search(name)
+        m = pattern.search(name)
         if not m:
             sliced[name] = tensor  # not attention (MLP, embeddings): unchanged
             continue
-        layer = layers[int(m.group(1))]
-        if not layer["query_slots"]:
+        lp = plan.layers[int(m.group(1))]
+        if not lp.slots:
             continue  # the layer's attention was removed entirely
-        sliced[name] = _slice(name, m.group(2), tensor, layer)
+        sliced[name] = _slice(name, adapter.projections[m.group(2)], tensor, lp, adapter)
     config["base_model_name_or_path"] = str(pruned_dir.resolve())
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "adapter_model.safetensors", lambda tmp: save_file(sliced, tmp, metadata={"format": "pt"}))
     write_json(out / "adapter_config.json", config)
     log(f"sliced {len(state)} adapter tensors to {len(sliced)} for {pruned_dir}: {out}")
     return out
+
+
+@torch.no_grad()
+def load_sliced(merged, pruned_dir: Path, adapter_out: Path):
+    """The pruned base in ``pruned_dir`` with the sliced adapter merged in, on the device and dtype of ``merged``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trust = (pruned_dir / "modeling_pruned.py").is_file()  # our own modelling file, written a moment ago
+    base = AutoModelForCausalLM.from_pretrained(pruned_dir, dtype=merged.dtype, trust_remote_code=trust)
+    return PeftModel.from_pretrained(base, adapter_out).merge_and_unload().to(merged.device).eval()
+
+
+def check_sliced(merged, model, plan: PrunePlan, enc) -> dict:
+    """Logits of pruned base + sliced adapter against the verified model (base + adapter merged, ablated)."""
+    ids = sample_prompts(merged, enc).to(merged.device)
+    return compare_models(merged.model, model, ids, merged.dtype, "pruned base + sliced adapter",
+                          lambda: ablate(merged, plan))

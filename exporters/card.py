@@ -8,27 +8,20 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def model_card(meta: dict) -> str:
+def _front(meta: dict) -> list[str]:
     src = meta["source_model"]
-    base = src.get("hub_id") or src.get("spec")
     front = {
-        "base_model": base,
+        "base_model": src.get("hub_id") or src.get("spec"),
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
         "tags": ["pruned", "attention-head-pruning", "prune-heads", meta["layout"]],
     }
-    v = meta["verification"]
+    return ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
+
+
+def _summary_table(meta: dict) -> list[str]:
     before, after = meta["stats"]["before"], meta["stats"]["after"]
-    mmlu = meta.get("mmlu") or {}
     lines = [
-        "---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
-        f"# {base}, {meta['heads_removed']} attention heads removed",
-        "",
-        f"Pruned with [prune-heads](https://github.com/prune-heads/prune-heads) {meta['prune_heads_version']}: "
-        f"heads ranked by `{meta['scorer']}`, the largest set within a budget of {meta['budget']} verified"
-        + (f" ({meta['budget_definition']})" if meta.get("budget_definition") else "")
-        + ", then their q/k/v rows and o_proj columns removed.",
-        "",
         "| | before | after |",
         "|---|---|---|",
         f"| query heads | {before['query_heads']} | {after['query_heads']} |",
@@ -36,38 +29,61 @@ def model_card(meta: dict) -> str:
         f"| parameters | {before['parameters']:,} | {after['parameters']:,} |",
         f"| KV cache per token | {before['kv_cache_bytes_per_token']:,} B | {after['kv_cache_bytes_per_token']:,} B |",
     ]
-    if mmlu:
-        ci = mmlu.get("ci95_points", [float("nan")] * 2)
-        lines.append(f"| {meta.get('task', 'mmlu')} accuracy ({mmlu['n']} questions) | {_pct(mmlu['baseline_accuracy'])} | "
-                     f"{_pct(mmlu['pruned_accuracy'])} (delta {mmlu['delta_points']:+.2f} pt, 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]) |")
-        if "kl_answer_nats" in mmlu:
-            lines.append(f"| answer KL from the original | 0 | {mmlu['kl_answer_nats']:.4f} nat "
-                         f"({_pct(mmlu['agreement_with_unablated'])} same answers) |")
+    task = meta.get("task_eval") or {}
+    if task:
+        ci = task.get("ci95_points", [float("nan")] * 2)
+        lines.append(f"| {meta.get('task', 'mmlu')} accuracy ({task['n']} questions) | "
+                     f"{_pct(task['baseline_accuracy'])} | {_pct(task['pruned_accuracy'])} (delta "
+                     f"{task['delta_points']:+.2f} pt, 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]) |")
+        if "kl_answer_nats" in task:
+            lines.append(f"| answer KL from the original | 0 | {task['kl_answer_nats']:.4f} nat "
+                         f"({_pct(task['agreement_with_unablated'])} same answers) |")
     heal = meta.get("healing")
     if heal:
-        before_heal = (mmlu.get("before_healing") or {}).get("accuracy")
+        before_heal = (task.get("before_healing") or {}).get("accuracy")
+        after_heal = (f"; {meta.get('task', 'mmlu')} before healing {_pct(before_heal)}, after "
+                      f"{_pct(task['pruned_accuracy'])}" if before_heal is not None else "")
         lines.append(f"| after LoRA healing ({heal['steps']} steps) | training loss {heal['loss_first']:.4f} | "
-                     f"{heal['loss_last']:.4f}" + (f"; MMLU before healing {_pct(before_heal)}, after "
-                                                    f"{_pct(mmlu['pruned_accuracy'])}" if before_heal is not None else "") + " |")
+                     f"{heal['loss_last']:.4f}{after_heal} |")
+    return lines
+
+
+def _how_to_load(meta: dict) -> list[str]:
+    trust = ", trust_remote_code=True" if meta["layout"] == "per-layer" else ""
+    lines = ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             f'model = AutoModelForCausalLM.from_pretrained("<this repo or directory>"{trust})',
+             'tokenizer = AutoTokenizer.from_pretrained("<this repo or directory>")', "```", ""]
+    if meta["layout"] == "per-layer":
+        lines += ["Layers keep different numbers of heads, recorded in `config.json` under `per_layer_config`; the "
+                  "small `modeling_pruned.py` shipped here builds each layer from it, hence `trust_remote_code=True`.",
+                  ""]
+    return lines
+
+
+def model_card(meta: dict) -> str:
+    src = meta["source_model"]
+    base = src.get("hub_id") or src.get("spec")
+    v, heal = meta["verification"], meta.get("healing")
+    lines = _front(meta) + [
+        f"# {base}, {meta['heads_removed']} attention heads removed", "",
+        f"Pruned with [prune-heads](https://github.com/prune-heads/prune-heads) {meta['prune_heads_version']}: "
+        f"heads ranked by `{meta['scorer']}`, the largest set within a budget of {meta['budget']} verified"
+        + (f" ({meta['budget_definition']})" if meta.get("budget_definition") else "")
+        + ", then their q/k/v rows and o_proj columns removed.", ""]
+    lines += _summary_table(meta)
     lines += ["", f"Layout: **{meta['layout']}** ({meta['layout_reason']}).", ""]
     if heal:
-        lines += [f"Healed: LoRA (rank {heal['rank']}, {', '.join(heal['targets'])}) trained for {heal['steps']} steps on "
-                  f"{heal['texts']} held-out texts (seed {heal['seed']}), merged into the weights; removed and padding "
-                  "heads were kept silent during training and stay removed.", ""]
+        lines += [f"Healed: LoRA (rank {heal['rank']}, {', '.join(heal['targets'])}) trained for {heal['steps']} steps "
+                  f"on {heal['texts']} held-out texts (seed {heal['seed']}), merged into the weights; removed and "
+                  "padding heads were kept silent during training and stay removed.", ""]
     for w in meta.get("warnings", []):
         lines += [f"> **Warning:** {w}", ""]
-    lines += ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
-    trust = ", trust_remote_code=True" if meta["layout"] == "per-layer" else ""
-    lines += [f'model = AutoModelForCausalLM.from_pretrained("<this repo or directory>"{trust})',
-              'tokenizer = AutoTokenizer.from_pretrained("<this repo or directory>")', "```", ""]
-    if meta["layout"] == "per-layer":
-        lines += ["Layers keep different numbers of heads, recorded in `config.json` under `per_layer_config`; the small "
-                  "`modeling_pruned.py` shipped here builds each layer from it, hence `trust_remote_code=True`.", ""]
+    lines += _how_to_load(meta)
     lines += ["## Verification", "",
               "Reloaded from these files in the same run: max |logit difference| against "
               + ("the healed model" if heal else "the ablated original") + " "
-              f"{v['max_abs_logit_diff']:.3g} on {v['prompts']} prompts (computed in {v.get('compared_in', v['dtype'])}, "
-              f"tolerance {v['tolerance']:g}).", "",
-              "## Removed heads", "", "`prune_heads.json` lists the removed heads per layer (original indices), the plan "
-              "(which original head sits in each new slot), the scorer, budget and source model hash.", ""]
+              f"{v['max_abs_logit_diff']:.3g} on {v['prompts']} prompts (computed in "
+              f"{v.get('compared_in', v['dtype'])}, tolerance {v['tolerance']:g}).", "",
+              "## Removed heads", "", "`prune_heads.json` lists the removed heads per layer (original indices), the "
+              "plan (which original head sits in each new slot), the scorer, budget and source model hash.", ""]
     return "\n".join(lines)

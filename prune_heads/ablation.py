@@ -17,20 +17,20 @@ import torch
 
 from .heads import HeadSet
 from .models.loading import LoadedModel
-from .pruning import LayerPlan, PrunePlan
+from .planning import LayerPlan, PrunePlan
 
 
 class HeadAblation:
     def __init__(self, lm: LoadedModel):
         self.lm = lm
-        self.layouts = lm.adapter.layouts(lm.model)
+        self.geometries = lm.adapter.geometries(lm.model)
         self.mask: torch.Tensor | None = None
         self._active: list[bool] = []
         self._handles: list = []
-        self._norm_plan: list[LayerPlan | None] = [None] * len(self.layouts)
+        self._norm_plan: list[LayerPlan | None] = [None] * len(self.geometries)
 
     def set_mask(self, mask: "torch.Tensor | HeadSet | PrunePlan | None") -> None:
-        self._norm_plan = [None] * len(self.layouts)
+        self._norm_plan = [None] * len(self.geometries)
         if isinstance(mask, PrunePlan):
             if mask.kind != "masked" and self.lm.adapter.qk_norm == "across_heads":
                 self._norm_plan = [None if lp.is_identity or not lp.slots else lp for lp in mask.layers]
@@ -42,16 +42,16 @@ class HeadAblation:
         self._active = [] if self.mask is None else [bool((self.mask[..., i, :] != 1).any()) for i in range(self.mask.shape[-2])]
 
     def _hook(self, layer: int):
-        layout = self.layouts[layer]
+        geo = self.geometries[layer]
 
         def pre_hook(module, args):
             if self.mask is None or not self._active[layer]:
                 return None
             (x, *rest) = args
-            m = self.mask[..., layer, : layout.num_heads]  # [H] or [B, H]
+            m = self.mask[..., layer, : geo.num_heads]  # [H] or [B, H]
             m = m.to(x.dtype)
             shape = x.shape
-            x = x.view(*shape[:-1], layout.num_heads, layout.head_dim)
+            x = x.view(*shape[:-1], geo.num_heads, geo.head_dim)
             if m.dim() == 1:
                 x = x * m[:, None]
             else:  # per row: [B, H] against x [B, S, H, D]
@@ -64,7 +64,7 @@ class HeadAblation:
 
     def _norm_hook(self, layer: int, which: str):
         """Replace a cross-head RMSNorm's output by the norm over the plan's heads (same formula as the module)."""
-        d = self.layouts[layer].head_dim
+        d = self.geometries[layer].head_dim
 
         def hook(module, args, output):
             lp = self._norm_plan[layer]
@@ -99,13 +99,13 @@ class HeadAblation:
             h.remove()
         self._handles.clear()
         self.mask = None
-        self._norm_plan = [None] * len(self.layouts)
+        self._norm_plan = [None] * len(self.geometries)
 
 
 def mask_for(lm: LoadedModel, heads: HeadSet) -> torch.Tensor:
-    layouts = lm.adapter.layouts(lm.model)
-    heads.validate(len(layouts), [lay.num_heads for lay in layouts])
-    return heads.mask(len(layouts), max(lay.num_heads for lay in layouts))
+    geometries = lm.adapter.geometries(lm.model)
+    heads.validate(len(geometries), [geo.num_heads for geo in geometries])
+    return heads.mask(len(geometries), max(geo.num_heads for geo in geometries))
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from .ablation import HeadAblation, mask_for
 from .data.tasks import LETTERS, TASKS, Question, TaskData
 from .heads import HeadSet
 from .models.loading import LoadedModel
-from .pruning import PrunePlan
+from .planning import PrunePlan
 
 
 def encode(lm: LoadedModel, text: str) -> list[int]:

@@ -81,19 +81,23 @@ class StagedDirectory:
     directory that looks finished under the final name. The name is fixed, so rerunning the same command finds
     the finished work cached in ``.{name}.partial/cache`` and resumes; a lock keeps two runs apart. ``force``
     replaces an existing ``out`` (moved aside first, removed only after the new one is in place); ``resume``
-    also allows a finished ``out`` and reuses its cache."""
+    also allows a finished ``out`` of ours (one that carries the ``MARKER`` file) and reuses its cache.
+
+    ``inputs``: the files and directories the run reads; an ``out`` that is one of them, lies inside one, or contains
+    one is refused even with ``force`` (replacing it would delete the input)."""
 
     current: "StagedDirectory | None" = None
 
-    def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False):
+    def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False, inputs: tuple | list = ()):
         import fcntl
 
         self.out = Path(out)
-        prepare_check(self.out, force or resume)
+        check_out(self.out, force, resume, inputs)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.path = self.out.parent / f".{self.out.name}.partial"
         self.resumed = self.path.is_dir() and any((self.path / "cache").glob("*.safetensors"))
         self.path.mkdir(exist_ok=True)
+        (self.path / MARKER).write_text("written by prune-heads\n")
         self._lock = open(self.path / ".lock", "w")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -163,9 +167,43 @@ class StagedDirectory:
             self.keep_for_resume()
 
 
-def prepare_check(out: Path, force: bool) -> None:
+MARKER = ".prune-heads"  # in every directory prune-heads writes: what --resume may continue and replace
+MANIFEST_NAME = "prune_heads.json"
+
+
+def _overlaps(out: Path, path: Path) -> str | None:
+    """How ``out`` collides with the input ``path`` (None if it does not)."""
+    out, path = out.resolve(), path.resolve()
+    if out == path:
+        return "is"
+    if path.is_relative_to(out):
+        return "contains"
+    if out.is_relative_to(path):
+        return "is inside"
+    return None
+
+
+def is_ours(out: Path) -> bool:
+    """A directory a prune-heads run wrote (its marker, or an export's manifest)."""
+    return (out / MARKER).is_file() or (out / MANIFEST_NAME).is_file()
+
+
+def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list = ()) -> None:
+    """The one rule for --out: never delete or replace what prune-heads did not write unless --force, never an input
+    even with --force; --resume continues only a run of ours."""
+    for path in inputs:
+        how = _overlaps(out, Path(path))
+        if how:
+            raise UserError(f"--out {out} {how} the input {path}; writing there would destroy it (even with --force); "
+                            "choose another --out")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"--out {out} is not empty; choose an empty directory, pass --resume to continue from its "
-                        "cached results, or --force to replace it")
+    if not out.is_dir() or not any(out.iterdir()) or force:
+        return
+    if resume and is_ours(out):
+        return
+    if resume:
+        raise UserError(f"--out {out} is not empty and was not written by prune-heads, so there is nothing to "
+                        "resume; choose an empty directory, or pass --force to replace it")
+    raise UserError(f"--out {out} is not empty; choose an empty directory, pass --resume to continue from its "
+                    "cached results, or --force to replace it")

@@ -14,10 +14,6 @@ from tqdm.auto import tqdm
 
 from .errors import UserError
 
-# Every linear layer a transformer block has in the supported families (attention and MLP); lm_head is left alone.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
-
-
 @dataclass(frozen=True)
 class HealConfig:
     steps: int
@@ -38,10 +34,9 @@ def dead_head_slots(model: torch.nn.Module, adapter, plan) -> dict[str, tuple[in
     names = {id(m): n for n, m in model.named_modules()}
     out = {}
     for i, lp in enumerate(plan.layers):
-        dead = [j for j, h in enumerate(lp.slots) if h is None or h in lp.zero_output]
-        if dead:
+        if lp.silent_slots:
             o_proj = adapter.output_projection(adapter.attention(model, i))
-            out[names[id(o_proj)]] = (lp.layout.head_dim, dead)
+            out[names[id(o_proj)]] = (lp.geometry.head_dim, lp.silent_slots)
     return out
 
 
@@ -56,43 +51,11 @@ def _silence(module: torch.nn.Module, head_dim: int, slots: list[int]):
     return module.register_forward_pre_hook(pre_hook)
 
 
-def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig, progress: bool = True, log=print,
-         dead_heads: dict[str, tuple[int, list[int]]] | None = None) -> tuple[torch.nn.Module, dict]:
-    """Train LoRA adapters on ``model`` (modified in place) for ``config.steps`` steps on ``sequences`` (token ids),
-    merge them, and return the merged model (in its original dtype) with the training record.
-
-    ``dead_heads`` (dead_head_slots) stay silent: their outputs are zeroed while training, and their o_proj columns,
-    which the merged o_proj update would otherwise bring back to life, are zeroed after merging, so the merged model
-    computes exactly what was trained and the removed heads stay removed."""
-    from peft import LoraConfig, get_peft_model
-
-    if config.steps <= 0:
-        raise UserError("--heal-steps must be a positive number of training steps")
-    sequences = [s[: config.max_length] for s in sequences if len(s) >= 2]
-    if not sequences:
-        raise UserError("the healing text has no input of at least 2 tokens; pass --heal-data FILE")
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    targets = sorted(names & set(LORA_TARGETS))
-    device = next(model.parameters()).device
-    # Low-precision training on CPU loses small updates: train in float32, then give every parameter and buffer its
-    # own dtype back (not one dtype for all: RoPE's inv_freq stays float32 in a bfloat16 model).
-    dtypes = {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    model.float().train()
-    model.requires_grad_(False)
-    torch.manual_seed(config.seed)
-    with warnings.catch_warnings():  # peft asks the model about gradient checkpointing with a deprecated name
-        warnings.simplefilter("ignore", FutureWarning)
-        peft_model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
-                                                      target_modules=targets, bias="none", task_type="CAUSAL_LM"))
-    dead_heads = dead_heads or {}
-    hooks = [_silence(peft_model.base_model.model.get_submodule(name), d, slots) for name, (d, slots) in dead_heads.items()]
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    optimiser = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+def _batches(sequences: list[list[int]], config: HealConfig):
+    """``config.steps`` padded batches (ids, attention mask, labels), in an order drawn from ``config.seed``."""
     order = torch.Generator().manual_seed(config.seed)
     queue: list[int] = []
-    losses = []
-    bar = tqdm(range(config.steps), desc="healing (LoRA)", unit="step", disable=not progress)
-    for _ in bar:
+    for _ in range(config.steps):
         if len(queue) < config.batch_size:
             queue += torch.randperm(len(sequences), generator=order).tolist()
         batch = [sequences[i] for i in queue[: config.batch_size]]
@@ -103,7 +66,27 @@ def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig,
         for row, s in enumerate(batch):
             ids[row, : len(s)] = torch.tensor(s)
             mask[row, : len(s)] = 1
-        labels = ids.masked_fill(mask == 0, -100)
+        yield ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def _with_lora(model: torch.nn.Module, targets: list[str], config: HealConfig):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(config.seed)
+    with warnings.catch_warnings():  # peft asks the model about gradient checkpointing with a deprecated name
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
+                                                target_modules=targets, bias="none", task_type="CAUSAL_LM"))
+
+
+def _train(peft_model, sequences: list[list[int]], config: HealConfig, progress: bool) -> tuple[list, list[float]]:
+    """AdamW on the LoRA parameters for ``config.steps`` steps; (trained parameters, loss per step)."""
+    device = next(peft_model.parameters()).device
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimiser = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    losses = []
+    bar = tqdm(_batches(sequences, config), total=config.steps, desc="healing (LoRA)", unit="step", disable=not progress)
+    for ids, mask, labels in bar:
         loss = peft_model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -112,25 +95,62 @@ def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig,
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     bar.close()
+    return params, losses
+
+
+@torch.no_grad()
+def _merge(peft_model, probe: torch.Tensor, trained: torch.Tensor, dead_heads: dict,
+           dtypes: dict) -> tuple[torch.nn.Module, float]:
+    """Merge the adapters, silence the dead heads' o_proj columns again, restore each tensor's dtype; the merged
+    model and its max |logit diff| on ``probe`` against ``trained``, the unmerged model's logits."""
+    merged = peft_model.merge_and_unload()
+    for name, (d, slots) in dead_heads.items():
+        weight = merged.get_submodule(name).weight
+        for j in slots:
+            weight[:, j * d:(j + 1) * d] = 0
+    merge_diff = float((merged(input_ids=probe).logits.float() - trained).abs().max())
+    for name, t in [*merged.named_parameters(), *merged.named_buffers()]:
+        if name in dtypes and t.dtype != dtypes[name]:
+            t.data = t.data.to(dtypes[name])
+    merged.eval()
+    merged.requires_grad_(False)
+    return merged, merge_diff
+
+
+def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig, progress: bool = True, log=print,
+         dead_heads: dict[str, tuple[int, list[int]]] | None = None, lora_targets: tuple[str, ...] | None = None,
+         ) -> tuple[torch.nn.Module, dict]:
+    """Train LoRA adapters on ``model`` (modified in place) for ``config.steps`` steps on ``sequences`` (token ids),
+    merge them, and return the merged model (in its original dtype) with the training record. ``lora_targets``:
+    the family's linear layers LoRA trains (the architecture adapter's); default every linear layer but lm_head.
+
+    ``dead_heads`` (dead_head_slots) stay silent: their outputs are zeroed while training, and their o_proj columns,
+    which the merged o_proj update would otherwise bring back to life, are zeroed after merging, so the merged model
+    computes exactly what was trained and the removed heads stay removed."""
+    if config.steps <= 0:
+        raise UserError("--heal-steps must be a positive number of training steps")
+    sequences = [s[: config.max_length] for s in sequences if len(s) >= 2]
+    if not sequences:
+        raise UserError("the healing text has no input of at least 2 tokens; pass --heal-data FILE")
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = sorted(names & set(lora_targets) if lora_targets is not None else names - {"lm_head"})
+    # Low-precision training on CPU loses small updates: train in float32, then give every parameter and buffer its
+    # own dtype back (not one dtype for all: RoPE's inv_freq stays float32 in a bfloat16 model).
+    dtypes = {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    model.float().train()
+    model.requires_grad_(False)
+    peft_model = _with_lora(model, targets, config)
+    dead_heads = dead_heads or {}
+    hooks = [_silence(peft_model.base_model.model.get_submodule(name), d, slots) for name, (d, slots) in dead_heads.items()]
+    params, losses = _train(peft_model, sequences, config, progress)
     # What was trained (adapters unmerged, dead heads silenced), to check the merged weights against.
-    probe = torch.tensor([sequences[0][:64]], device=device)
+    probe = torch.tensor([sequences[0][:64]], device=next(peft_model.parameters()).device)
     peft_model.eval()
     with torch.no_grad():
         trained = peft_model(input_ids=probe).logits.float()
     for h in hooks:
         h.remove()
-    merged = peft_model.merge_and_unload()
-    with torch.no_grad():
-        for name, (d, slots) in dead_heads.items():
-            weight = merged.get_submodule(name).weight
-            for j in slots:
-                weight[:, j * d:(j + 1) * d] = 0
-        merge_diff = float((merged(input_ids=probe).logits.float() - trained).abs().max())
-        for name, t in [*merged.named_parameters(), *merged.named_buffers()]:
-            if name in dtypes and t.dtype != dtypes[name]:
-                t.data = t.data.to(dtypes[name])
-    merged.eval()
-    merged.requires_grad_(False)
+    merged, merge_diff = _merge(peft_model, probe, trained, dead_heads, dtypes)
     k = max(1, len(losses) // 10)
     record = {**config.to_json(), "targets": targets, "texts": len(sequences),
               "trainable_parameters": sum(p.numel() for p in params), "losses": [round(x, 6) for x in losses],

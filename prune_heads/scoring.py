@@ -57,7 +57,7 @@ class _ScoringProbe:
     def __init__(self, lm: LoadedModel):
         self.lm = lm
         self.adapter = lm.adapter
-        self.layouts = self.adapter.layouts(lm.model)
+        self.geometries = self.adapter.geometries(lm.model)
         self.token_mask: torch.Tensor | None = None  # [B, S] bool
         self.lengths: torch.Tensor | None = None  # [B]
         self._v_norm: dict[int, torch.Tensor] = {}
@@ -78,26 +78,26 @@ class _ScoringProbe:
         return (x * m.view(shape)).sum(seq_dim) / self.lengths.to(x.dtype).view(-1, *([1] * (x.dim() - 2)))
 
     def _on_value(self, layer: int, value_slice: slice | None):
-        layout = self.layouts[layer]
+        geo = self.geometries[layer]
 
         def hook(module, args, output):
             v = output if value_slice is None else output[..., value_slice]
-            v = v.float().view(*v.shape[:-1], layout.num_kv_heads, layout.head_dim)  # [B, S, KV, D]
+            v = v.float().view(*v.shape[:-1], geo.num_kv_heads, geo.head_dim)  # [B, S, KV, D]
             self._v_norm[layer] = v.norm(dim=-1)  # [B, S, KV]
 
         return hook
 
     def _on_head_outputs(self, layer: int, o_proj: torch.nn.Linear):
-        layout = self.layouts[layer]
+        geo = self.geometries[layer]
 
         def pre_hook(module, args):
-            o = args[0].float().view(*args[0].shape[:-1], layout.num_heads, layout.head_dim)  # [B, S, H, D]
+            o = args[0].float().view(*args[0].shape[:-1], geo.num_heads, geo.head_dim)  # [B, S, H, D]
             o_norm = o.norm(dim=-1)  # [B, S, H]
             # Each head's contribution to the residual stream, ||W_O^h o_i^h||, as sqrt(o^T G_h o) with the head's
             # Gram matrix G_h = W_O^h^T W_O^h ([D, D]): a D x D product per head instead of D x hidden.
             gram = self._gram.get(layer)
             if gram is None:
-                w = o_proj.weight.float().view(o_proj.out_features, layout.num_heads, layout.head_dim)  # [out, H, D]
+                w = o_proj.weight.float().view(o_proj.out_features, geo.num_heads, geo.head_dim)  # [out, H, D]
                 gram = self._gram[layer] = torch.einsum("ohd,ohe->hde", w, w)  # [H, D, D]
             wo_sq = (torch.einsum("bshd,hde->bshe", o, gram) * o).sum(-1)
             wo_norm = wo_sq.clamp(min=0).sqrt()  # [B, S, H]
@@ -123,7 +123,7 @@ class _ScoringProbe:
         return receiver
 
     def _on_attention(self, layer: int):
-        layout = self.layouts[layer]
+        geo = self.geometries[layer]
 
         def hook(module, args, output):
             attn = self._attention.pop(layer, None)
@@ -131,18 +131,18 @@ class _ScoringProbe:
                 raise RuntimeError(f"layer {layer}: attention statistics were not reported; the scoring pass needs "
                                    f"attn_implementation={attention_stats.IMPLEMENTATION!r}")
             v_norm = self._v_norm.pop(layer)  # [B, S, KV]
-            v_per_head = v_norm.repeat_interleave(layout.group_size, dim=-1)  # [B, S, H]: the KV head each reads
+            v_per_head = v_norm.repeat_interleave(geo.group_size, dim=-1)  # [B, S, H]: the KV head each reads
             stats = {**self._o_stats.pop(layer), **attn,
                      "ftvvn": v_per_head[:, 0], "avvn": self._masked_mean(v_per_head, 1)}
             for key in BASE_KEYS:
-                self.results.setdefault(key, [None] * len(self.layouts))[layer] = stats[key]
+                self.results.setdefault(key, [None] * len(self.geometries))[layer] = stats[key]
 
         return hook
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def __enter__(self) -> "_ScoringProbe":
-        for layer in range(len(self.layouts)):
+        for layer in range(len(self.geometries)):
             attn = self.adapter.attention(self.lm.model, layer)
             v_module, v_slice = self.adapter.value_projection(attn)
             o_proj = self.adapter.output_projection(attn)

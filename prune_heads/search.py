@@ -33,6 +33,7 @@ class Budget:
 
     points: float
     metric: str = "accuracy"
+    text: str = field(default="", compare=False)  # as the user wrote it (reports quote it)
 
     @staticmethod
     def parse(text: str | float, metric: str | None = None) -> "Budget":
@@ -56,7 +57,7 @@ class Budget:
             raise UserError(f"--metric {metric!r} is not one of {', '.join(METRIC_CHOICES)}")
         if value < 0 or (metric == "accuracy" and value > 100):
             raise UserError(f"--budget {text!r} is out of range; it must be between 0 and 100 accuracy points")
-        return Budget(value, metric)
+        return Budget(value, metric, str(text))
 
     @property
     def in_nats(self) -> bool:

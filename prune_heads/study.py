@@ -106,11 +106,8 @@ def _point(function, mode, percent, threshold, zeroed, result: EvalResult, basel
                       float(answer_kl(result, baseline).mean()), agreement(result, baseline))
 
 
-def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, baseline: EvalResult, functions: list[str],
-              percents, modes, budget_points: float, seed: int = 0, on_point=None) -> dict:
-    """``eval_scores``: per-input scores on the evaluation inputs, in question order (dynamic thresholds and masks);
-    ``calib_scores``: the calibration set (static selections). ``evaluate(mask, label)`` takes a [L, H] mask (one
-    head set for every input) or a [N, L, H] mask (one per input) and returns an EvalResult."""
+def check_study_args(functions: list[str], percents, modes) -> None:
+    """Score functions, percents and modes a study can run (checked before any model loads)."""
     unknown = [f for f in functions if f not in SCORE_KEYS]
     if unknown:
         raise UserError(f"unknown score function(s) {', '.join(unknown)}; choose from: {', '.join(SCORE_KEYS)}")
@@ -119,6 +116,14 @@ def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, basel
         raise UserError(f"unknown study mode(s) {', '.join(bad_modes)}; choose from: {', '.join(MODES)}")
     if any(not 0 <= p <= 100 for p in percents):
         raise UserError(f"--percents must lie between 0 and 100, got {', '.join(f'{p:g}' for p in percents)}")
+
+
+def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, baseline: EvalResult, functions: list[str],
+              percents, modes, budget_points: float, seed: int = 0, on_point=None) -> dict:
+    """``eval_scores``: per-input scores on the evaluation inputs, in question order (dynamic thresholds and masks);
+    ``calib_scores``: the calibration set (static selections). ``evaluate(mask, label)`` takes a [L, H] mask (one
+    head set for every input) or a [N, L, H] mask (one per input) and returns an EvalResult."""
+    check_study_args(functions, percents, modes)
     num_inputs, layers, heads = eval_scores.per_input[functions[0]].shape
     total = layers * heads
     curves: dict[tuple[str, str], Curve] = {}

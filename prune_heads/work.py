@@ -1,4 +1,4 @@
-"""The expensive steps of a run (scoring, MMLU evaluations), each cached by everything it depends on, so an
+"""The expensive steps of a run (scoring, task evaluations, text KL), each cached by everything it depends on, so an
 interrupted or changed run repeats no finished work (see cache.py)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .evaluation import EncodedTask, EvalResult, evaluate, evaluate_many, in_ord
 from .fileio import StagedDirectory
 from .heads import HeadSet, ScoreTable
 from .models.loading import LoadedModel
-from .pruning import PrunePlan
+from .planning import PrunePlan
 from .scoring import score_heads
 
 
@@ -20,29 +20,17 @@ class Work:
     """The expensive steps of a run (scoring, evaluations), each cached by everything it depends on, so an
     interrupted run resumes without repeating finished work (cache.py)."""
 
-    def __init__(self, lm: LoadedModel, settings, stage: StagedDirectory):
-        self.lm, self.settings = lm, settings
+    def __init__(self, lm: LoadedModel, stage: StagedDirectory, batch_size: int = 8, progress: bool = True):
+        self.lm, self.batch_size, self.progress = lm, batch_size, progress
         self.cache = ResultCache(stage.cache_dir)
         self._enc_digests: dict[int, str] = {}
         import transformers
 
         self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
                           "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
-                          "transformers": transformers.__version__, "format": 1}
+                          "transformers": transformers.__version__, "format": 2}
         if stage.resumed:
             click.secho(f"resuming: finished work is reused from {stage.cache_dir}", err=True)
-
-    def verification_target(self, heads: HeadSet, layout: str | None = None):
-        """What the ablation must zero to compute exactly what the export will ship: the heads themselves, or for
-        families whose q/k norms span all heads (OLMo-2), the export plan."""
-        if self.lm.adapter.qk_norm != "across_heads" or not heads:
-            return heads
-        from exporters.layouts import choose_layout
-
-        lm = self.lm
-        layout = layout or (self.settings.layout if self.settings.export else "masked")
-        return choose_layout(layout, heads, lm.adapter.layouts(lm.model), lm.adapter, lm.config,
-                             torch.finfo(lm.dtype).bits // 8).plan
 
     def _enc_digest(self, enc: EncodedTask) -> str:
         if id(enc) not in self._enc_digests:
@@ -51,12 +39,12 @@ class Work:
         return self._enc_digests[id(enc)]
 
     def scores(self, seqs: list[list[int]]) -> ScoreTable:
-        key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.settings.batch_size}
+        key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.batch_size}
         hit = self.cache.get("scores", key)
         if hit is not None:
             counts = hit.pop("_token_counts").tolist()
             return ScoreTable(hit, counts)
-        table = score_heads(self.lm, seqs, self.settings.batch_size, self.settings.progress)
+        table = score_heads(self.lm, seqs, self.batch_size, self.progress)
         self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
         return table
 
@@ -73,8 +61,8 @@ class Work:
 
     def _eval_key(self, enc, target, model_key=None):
         ablation = self._ablation_key(target)
-        return ablation, {**(model_key or self.model_key), "what": "mmlu", "task": enc.task,
-                          "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.settings.batch_size}
+        return ablation, {**(model_key or self.model_key), "what": "task", "task": enc.task,
+                          "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.batch_size}
 
     def text_kl(self, sequences: list[list[int]], target) -> float:
         """Mean next-token KL(unablated || ablated) over held-out texts, nats; cached like evaluations."""
@@ -82,18 +70,15 @@ class Work:
         if ablation is None:
             return 0.0
         key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
-               "batch": self.settings.batch_size}
+               "batch": self.batch_size}
         hit = self.cache.get("kltext", key)
         if hit is None:
-            hit = {"kl": next_token_kl(self.lm, sequences, target, self.settings.batch_size)}
+            hit = {"kl": next_token_kl(self.lm, sequences, target, self.batch_size)}
             self.cache.put("kltext", key, hit)
         return float(hit["kl"].mean())
 
     def evaluate_group(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
-        """Several static head sets at once (evaluate_many); cached per set like ``evaluate``. Families whose
-        verification needs the export plan (OLMo-2 norms) are evaluated one at a time."""
-        if self.lm.adapter.qk_norm == "across_heads":
-            return [self.evaluate(enc, self.verification_target(hs), lab) for hs, lab in zip(head_sets, labels)]
+        """Several static head sets at once (evaluate_many); cached per set like ``evaluate``."""
         questions = [it.question for it in enc.items]
         results: dict[int, EvalResult] = {}
         todo = []
@@ -105,8 +90,8 @@ class Work:
                 todo.append(i)
         if todo:
             label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
-            for i, res in zip(todo, evaluate_many(self.lm, enc, [head_sets[i] for i in todo], self.settings.batch_size,
-                                                  self.settings.progress, label)):
+            for i, res in zip(todo, evaluate_many(self.lm, enc, [head_sets[i] for i in todo], self.batch_size,
+                                                  self.progress, label)):
                 self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
                 res.label = labels[i]
                 results[i] = res
@@ -119,8 +104,8 @@ class Work:
         questions = [it.question for it in enc.items]
         if hit is not None:
             return EvalResult(questions, hit["loglik"], label)
-        result = evaluate(lm or self.lm, enc, target if ablation else None, self.settings.batch_size,
-                          self.settings.progress, label=label)
+        result = evaluate(lm or self.lm, enc, target if ablation else None, self.batch_size,
+                          self.progress, label=label)
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 

@@ -7,7 +7,7 @@ import torch
 from exporters.adapter import slice_adapter
 from exporters.export import export_pruned
 from prune_heads.ablation import ablate
-from prune_heads.cli import main
+from prune_heads_cli.main import main
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
 from test_export import UNEVEN, logits
@@ -97,7 +97,7 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     assert e.value.code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["adapter"]["max_abs_logit_diff"] <= report["adapter"]["tolerance"]
-    assert report["adapter"]["mmlu"]["agreement_with_verified"] == 1.0
+    assert report["adapter"]["task_eval"]["agreement_with_verified"] == 1.0
     # The shipped base is the pruned *base* (no adapter merged in), and base + sliced adapter loads with peft.
     trust = (out / "modeling_pruned.py").is_file()
     base = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=trust)
@@ -105,10 +105,10 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device)
     from prune_heads.heads import HeadSet
 
-    from exporters.layouts import choose_layout
+    from prune_heads.planning import Planner
 
     heads = HeadSet.load(out / "heads.json")
-    plan = choose_layout("auto", heads, merged.adapter.layouts(merged.model), merged.adapter, merged.config, 4).plan
+    plan = Planner(merged.adapter.geometries(merged.model), merged.adapter, merged.config, 4).choose(heads, "auto").plan
     with ablate(merged, plan):
         assert torch.allclose(logits(full), logits(merged.model), atol=1e-4)
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from prune_heads.cli import main
+from prune_heads_cli.main import main
 from prune_heads.heads import HeadSet
 from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny
@@ -143,7 +143,7 @@ def test_real_smollm2_end_to_end(tmp_path):
     """The README's main command on the embedded SmolLM2-135M wheel, on a small MMLU subset."""
     pytest.importorskip("gguf")
     out = tmp_path / "pruned"
-    cmd = [sys.executable, "-m", "prune_heads.cli", "--model", "smollm2-135m", "--budget", "1%", "--out", str(out),
+    cmd = [sys.executable, "-m", "prune_heads_cli", "--model", "smollm2-135m", "--budget", "1%", "--out", str(out),
            "--mmlu-per-subject", "1", "--mmlu-subjects", "6", "--calibration-size", "6", "--no-progress",
            "--heal-steps", "2"]  # healing a GGUF-loaded (dequantised) model too
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -172,8 +172,8 @@ def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(mo
                             "--no-progress", "--mmlu-per-subject", "3"], capsys)
     assert code == 0, err
     meta = json.loads((out / "prune_heads.json").read_text())
-    assert meta["verified"] and meta["layout"] == "uniform" and meta["mmlu"]["n"] == 9
-    assert meta["mmlu"]["agreement_with_verified"] == 1.0
+    assert meta["verified"] and meta["layout"] == "uniform" and meta["task_eval"]["n"] == 9
+    assert meta["task_eval"]["agreement_with_verified"] == 1.0
     assert AutoModelForCausalLM.from_pretrained(out).config.num_attention_heads == 4
     assert oct((out / "config.json").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
     # A run that fails half-way leaves no directory under the final name, and no staging directory behind.
@@ -184,8 +184,9 @@ def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(mo
 
     monkeypatch.setattr(ex, "verify_export", boom)
     failed = tmp_path / "failed"
-    with pytest.raises(RuntimeError, match="disk on fire"):
-        main(["export", "--model", str(model_dir), "--heads", str(heads), "--out", str(failed), "--no-mmlu", "--no-progress"])
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", failed, "--no-mmlu",
+                            "--no-progress"], capsys)
+    assert code == 1 and "error: unexpected failure (RuntimeError: disk on fire)" in err and "Traceback" not in err
     assert not failed.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".failed.partial")]
     # --force replaces a finished export only once the new one is complete.

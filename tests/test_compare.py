@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from prune_heads.cli import main
+from prune_heads_cli.main import main
 from prune_heads.compare import ks_distance, selected, spearman, wasserstein_distance
 from test_mmlu import _cais_file
 from tiny import tiny_model

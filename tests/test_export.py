@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from exporters.export import MANIFEST, export_pruned, read_manifest
-from exporters.layouts import choose_layout
+from prune_heads.planning import Planner
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
-from prune_heads.pruning import balanced_selection, plan_exact, plan_masked, plan_uniform, pruned_copy
+from prune_heads.planning import Planner, balanced_selection, plan_exact, plan_masked, plan_uniform
+from prune_heads.pruning import pruned_copy
 from tiny import FAMILIES, tiny_model
 
 IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
@@ -31,10 +32,10 @@ def expected_param_drop(lm, plan) -> int:
     hidden = lm.config.hidden_size
     for i, lp in enumerate(plan.layers):
         attn = lm.adapter.attention(lm.model, i)
-        d = lp.layout.head_dim
+        d = lp.geometry.head_dim
         q_w, q_b, k_w, k_b, v_w, v_b = lm.adapter.qkv_weights(attn)
-        dq = (lp.layout.num_heads - lp.num_heads) * d
-        dkv = (lp.layout.num_kv_heads - lp.num_kv_heads) * d
+        dq = (lp.geometry.num_heads - lp.num_heads) * d
+        dkv = (lp.geometry.num_kv_heads - lp.num_kv_heads) * d
         drop += dq * hidden * 2 + dkv * hidden * 2
         drop += (dq if q_b is not None else 0) + (2 * dkv if k_b is not None else 0)
         if lm.adapter.qk_norm == "across_heads":
@@ -48,7 +49,7 @@ def expected_param_drop(lm, plan) -> int:
 @pytest.mark.parametrize("heads", [UNEVEN, EVEN], ids=["uneven", "even"])
 def test_pruned_logits_equal_masked_model_and_parameters_drop_exactly(family, heads):
     lm = tiny_model(family)
-    layouts = lm.adapter.layouts(lm.model)
+    layouts = lm.adapter.geometries(lm.model)
     for make in (plan_exact, plan_uniform, plan_masked):
         plan = make(heads, layouts)
         with ablate(lm, plan):
@@ -63,19 +64,19 @@ def test_pruned_logits_equal_masked_model_and_parameters_drop_exactly(family, he
 
 def test_exact_plan_copies_kv_heads_to_equalise_uneven_groups():
     lm = tiny_model("llama")
-    plan = plan_exact(UNEVEN, lm.adapter.layouts(lm.model))
+    plan = plan_exact(UNEVEN, lm.adapter.geometries(lm.model))
     # layer 0 keeps heads 1, 2 of group 0 and 5 of group 1. Group size 1 (KV head 0 copied: 3 q + 3 KV) and group
     # size 2 (one zero dummy: 4 q + 2 KV) cost the same parameters; the smaller KV cache wins.
     assert plan.layers[0].slots == (1, 2, 5, None) and plan.layers[0].kv_slots == (0, 1)
     assert plan.layers[1].is_identity
     assert plan.layers[2].slots == (3, 4, 5) and plan.layers[2].kv_slots == (1,)
     assert plan.layers[3].slots == () and plan.layers[3].kv_slots == ()
-    uniform = plan_uniform(UNEVEN, lm.adapter.layouts(lm.model))
+    uniform = plan_uniform(UNEVEN, lm.adapter.geometries(lm.model))
     assert uniform.is_uniform and uniform.shapes == [(6, 2)] * 4  # layer 1 keeps everything
 
 
 def test_exact_plan_copies_a_kv_head_when_that_is_cheapest():
-    from prune_heads.models.adapters import AttentionLayout
+    from prune_heads.geometry import HeadGeometry as AttentionLayout
 
     lay = AttentionLayout(8, 2, 16)  # groups of 4; keep all of group 0 and one head of group 1
     plan = plan_exact(HeadSet.of({0: [4, 5, 6]}), [lay])
@@ -86,7 +87,7 @@ def test_exact_plan_copies_a_kv_head_when_that_is_cheapest():
 def test_olmo2_verification_ablation_includes_the_norm_change():
     """OLMo-2's q/k norms span all heads: plain head ablation is not what the pruned model computes; the plan's is."""
     lm = tiny_model("olmo2")
-    plan = plan_exact(UNEVEN, lm.adapter.layouts(lm.model))
+    plan = plan_exact(UNEVEN, lm.adapter.geometries(lm.model))
     pruned = logits(pruned_copy(lm.model, lm.adapter, plan))
     with ablate(lm, UNEVEN):
         plain = logits(lm.model)
@@ -98,7 +99,7 @@ def test_olmo2_verification_ablation_includes_the_norm_change():
 
 def test_balanced_selection_removes_the_same_number_per_group():
     lm = tiny_model("llama")
-    layouts = lm.adapter.layouts(lm.model)
+    layouts = lm.adapter.geometries(lm.model)
     scores = torch.arange(24, dtype=torch.float32).view(4, 6)
     sel = balanced_selection(UNEVEN, layouts, scores, dormant_low=True)
     for i, lay in enumerate(layouts):
@@ -180,10 +181,10 @@ def test_sharded_export_has_an_index_and_loads(tmp_path):
 
 def test_auto_layout_picks_uniform_only_when_nothing_is_left_on_the_table():
     lm = tiny_model("qwen2")
-    layouts = lm.adapter.layouts(lm.model)
-    even = choose_layout("auto", EVEN, layouts, lm.adapter, lm.config, 4)
+    layouts = lm.adapter.geometries(lm.model)
+    even = Planner(layouts, lm.adapter, lm.config, 4).choose(EVEN, "auto")
     assert even.layout == "uniform" and "stock config" in even.reason
-    uneven = choose_layout("auto", UNEVEN, layouts, lm.adapter, lm.config, 4)
+    uneven = Planner(layouts, lm.adapter, lm.config, 4).choose(UNEVEN, "auto")
     assert uneven.layout == "per-layer" and "different head counts" in uneven.reason
     opts = uneven.options
     assert opts["per-layer"]["attention_params"] < opts["uniform"]["attention_params"] <= opts["masked"]["attention_params"]
@@ -249,7 +250,7 @@ def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_p
 def test_float32_comparison_catches_a_one_percent_error_in_one_head_and_falls_back_when_memory_is_short(monkeypatch):
     import copy
 
-    from exporters import export as ex
+    from prune_heads import verify as ex
 
     lm = _bf16("qwen2")
     wrong = copy.deepcopy(lm.model)
@@ -259,7 +260,7 @@ def test_float32_comparison_catches_a_one_percent_error_in_one_head_and_falls_ba
         ex.compare_models(lm.model, wrong, IDS, torch.bfloat16, "the wrong copy")
     right = copy.deepcopy(lm.model)
     assert ex.compare_models(lm.model, right, IDS, torch.bfloat16, "a copy")["max_abs_logit_diff"] == 0.0
-    monkeypatch.setattr(ex, "_available_bytes", lambda device: 1 << 10)  # 1 KiB free: no room for float32 copies
+    monkeypatch.setattr(ex, "available_bytes", lambda device: 1 << 10)  # 1 KiB free: no room for float32 copies
     check = ex.compare_models(lm.model, right, IDS, torch.bfloat16, "a copy")
     assert check["compared_in"] == "bfloat16" and check["tolerance"] == pytest.approx(
         ex.LOGIT_RTOL[torch.bfloat16] * max(1.0, float(logits(lm.model).float().abs().max())), rel=1e-3)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from exporters.layouts import choose_layout
+from prune_heads.planning import Planner
 from prune_heads.healing import HealConfig, dead_head_slots, heal
 from prune_heads.heads import HeadSet
 from prune_heads.pruning import pruned_copy
@@ -16,8 +16,8 @@ from tiny import CORPUS, run_cli, save_tiny, tiny_model
 def pruned_tiny(layout="uniform"):
     lm = tiny_model("llama")
     heads = HeadSet.of({0: [0, 1, 4], 2: [5], 3: [2, 3]})
-    layouts = lm.adapter.layouts(lm.model)
-    plan = choose_layout(layout, heads, layouts, lm.adapter, lm.config, 4).plan
+    layouts = lm.adapter.geometries(lm.model)
+    plan = Planner(layouts, lm.adapter, lm.config, 4).choose(heads, layout).plan
     return lm, plan, pruned_copy(lm.model, lm.adapter, plan)
 
 
@@ -86,7 +86,7 @@ def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsy
     assert heal_rec == report["export"]["healing"] and heal_rec["steps"] == 12 and heal_rec["seed"] == 1
     assert "held-out mmlu questions" in heal_rec["data"] and heal_rec["texts"] == 18  # 3 x (14 - 5 - 3) held out
     assert heal_rec["pruned_before_healing_max_abs_logit_diff"] < 1e-3
-    assert meta["verified"] and meta["mmlu"]["before_healing"]["accuracy"] == report["final"]["accuracy"]
+    assert meta["verified"] and meta["task_eval"]["before_healing"]["accuracy"] == report["final"]["accuracy"]
     assert "healed model" in (out / "README.md").read_text() and "LoRA" in (out / "README.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(out)  # stock transformers, no remote code (uniform layout)
     assert model.config.num_attention_heads <= 6

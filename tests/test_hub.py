@@ -31,7 +31,7 @@ def hub(tmp_path):
 
 
 def run(args, env):
-    return subprocess.run([sys.executable, "-m", "prune_heads.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "prune_heads_cli", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=300)
 
 
@@ -48,7 +48,7 @@ def test_push_round_trip_files_and_logits(export_dir, hub, tmp_path):
     from transformers import AutoModelForCausalLM
 
     server, env = hub
-    proc = run(["push", export_dir, "--repo-id", "user/pruned-tiny", "--revision", "v1"], env)
+    proc = run(["push", export_dir, "--repo-id", "user/pruned-tiny", "--branch", "v1"], env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     token = server.state.token
     assert token not in proc.stdout + proc.stderr

@@ -132,15 +132,12 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
     from prune_heads.fileio import StagedDirectory
     from prune_heads.work import Work
 
-    class S:
-        batch_size, progress = 4, False
-
     lm = tiny_model("mistral")
     enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=5, per_subject=8))))
     blocks = split_blocks(enc, 3)
     assert [len(b.subjects) for b in blocks] == [2, 2, 1] and sum(len(b) for b in blocks) == len(enc)
     with StagedDirectory(tmp_path / "out", False) as staged:
-        work = Work(lm, S(), staged)
+        work = Work(lm, staged, batch_size=4, progress=False)
         base = work.evaluate(enc, None)
         heads = HeadSet.of({0: [0, 1, 2], 1: [3]})
         full = work.evaluate_sequential(blocks, heads, "x", base, lambda part, b: False)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from prune_heads.cli import main
+from prune_heads_cli.main import main
 from prune_heads.errors import UserError
 from prune_heads.fileio import StagedDirectory
 from test_mmlu import _cais_file
@@ -36,7 +36,7 @@ def args(setup, out, *extra):
 
 def cli(argv, env_extra=None, **kw):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "prune_heads.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "prune_heads_cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, **kw)
 
 
@@ -70,7 +70,7 @@ def _same_result(report, reference):
     assert report["heads"] == reference["heads"]
     assert [(p["num_heads"], p["accuracy"]) for p in report["points"]] == [(p["num_heads"], p["accuracy"]) for p in reference["points"]]
     assert report["scores"] == reference["scores"]
-    assert report["export"]["mmlu"] == reference["export"]["mmlu"]
+    assert report["export"]["task_eval"] == reference["export"]["task_eval"]
 
 
 def test_sigkill_during_evaluation_then_resume(setup, reference, tmp_path):

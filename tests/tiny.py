@@ -111,7 +111,7 @@ def run_cli(args, capsys):
     """Run ``prune-heads ARGS`` in-process: (exit code, stdout, stderr)."""
     import pytest
 
-    from prune_heads.cli import main
+    from prune_heads_cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main([str(a) for a in args])

@@ -1,11 +1,10 @@
 """Model loading and the per-family architecture adapters."""
-from .adapters import ADAPTERS, ArchAdapter, AttentionLayout, adapter_for, supported_model_types
+from .adapters import ADAPTERS, ArchAdapter, adapter_for, supported_model_types
 from .loading import LoadedModel, load_model
 
 __all__ = [
     "ADAPTERS",
     "ArchAdapter",
-    "AttentionLayout",
     "LoadedModel",
     "adapter_for",
     "load_model",

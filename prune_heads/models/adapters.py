@@ -1,41 +1,23 @@
-"""Architecture adapters: the only code that knows where a family keeps its attention weights.
+"""Architecture adapters: the only code that knows a family.
 
 Every supported family follows transformers' decoder layout ``model.model.layers[i].self_attn`` with
 separate or fused q/k/v projections, an ``o_proj`` whose input is the concatenation of the head outputs
 ``[batch, seq, num_heads * head_dim]``, and query head ``h`` reading KV head ``h // group_size``.
-What differs (fused qkv, per-head or cross-head q/k norms, a BOS token the evaluation must add) is
-declared here, one small class per family.
+What differs is declared here, one small class per family: fused qkv and how to split it, per-head or cross-head
+q/k norms, how a module is told its new head counts, which linear layers LoRA targets, how a config carries new
+head counts, and a BOS token the evaluation must add.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+import re
+from typing import ClassVar, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import UserError
-
-if TYPE_CHECKING:
-    from ..pruning import LayerPlan
-
-
-@dataclass(frozen=True)
-class AttentionLayout:
-    """Head geometry of one attention module."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads
-
-    def kv_head_of(self, head: int) -> int:
-        return head // self.group_size
+from ..geometry import HeadGeometry, frozen_linear, head_rows
 
 
 class ArchAdapter:
@@ -62,15 +44,20 @@ class ArchAdapter:
     def output_projection(self, attn: nn.Module) -> nn.Linear:
         return attn.o_proj
 
-    def layout(self, model: nn.Module, layer: int) -> AttentionLayout:
+    def geometry(self, model: nn.Module, layer: int) -> HeadGeometry:
         attn = self.attention(model, layer)
         head_dim = int(attn.head_dim)
         num_heads = self.output_projection(attn).in_features // head_dim
         num_kv = self._kv_out_features(attn) // head_dim
-        return AttentionLayout(num_heads, num_kv, head_dim)
+        return HeadGeometry(num_heads, num_kv, head_dim)
 
-    def layouts(self, model: nn.Module) -> list[AttentionLayout]:
-        return [self.layout(model, i) for i in range(self.num_layers(model))]
+    def geometries(self, model: nn.Module) -> list[HeadGeometry]:
+        return [self.geometry(model, i) for i in range(self.num_layers(model))]
+
+    def is_stock(self, model: nn.Module) -> bool:
+        """Every layer has its attention and the same head geometry (not an already pruned per-layer export)."""
+        layers = self.decoder_layers(model)
+        return all(hasattr(layer.self_attn, "o_proj") for layer in layers) and len(set(self.geometries(model))) == 1
 
     def _kv_out_features(self, attn: nn.Module) -> int:
         return attn.v_proj.out_features
@@ -89,13 +76,43 @@ class ArchAdapter:
                 attn.v_proj.weight, attn.v_proj.bias)
 
     def build_qkv(self, attn: nn.Module, new: dict) -> dict[str, nn.Module]:
-        from ..pruning import _linear
+        return {f"{n}_proj": frozen_linear(*new[n]) for n in ("q", "k", "v")}
 
-        return {f"{n}_proj": _linear(*new[n]) for n in ("q", "k", "v")}
-
-    def sliced_norms(self, attn: nn.Module, plan: "LayerPlan") -> dict[str, nn.Module]:
+    def sliced_norms(self, attn: nn.Module, slots: Sequence[int | None], kv_slots: Sequence[int],
+                     head_dim: int) -> dict[str, nn.Module]:
         """Per-head norms (Qwen3, Gemma3) act on head_dim and need nothing; cross-head norms are sliced."""
         return {}
+
+    def set_head_counts(self, attn: nn.Module, num_heads: int, num_kv_heads: int) -> None:
+        """Tell a sliced attention module its new head counts (the attributes its forward reads)."""
+        attn.num_key_value_groups = (num_heads // num_kv_heads) if num_kv_heads else 0
+        for attr in ("num_heads", "num_attention_heads"):
+            if hasattr(attn, attr):
+                setattr(attn, attr, num_heads)
+        if hasattr(attn, "num_key_value_heads"):
+            attn.num_key_value_heads = num_kv_heads
+
+    def remove_attention(self, model: nn.Module, layer: int) -> None:
+        """A layer that keeps no heads: its attention adds nothing to the residual stream."""
+        self.decoder_layers(model)[layer].self_attn = SkippedAttention()
+
+    # -- LoRA adapters (peft) ---------------------------------------------------------------------------
+
+    # Every linear layer a transformer block has (attention and MLP) that LoRA healing trains; lm_head is left alone.
+    lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj")
+    # How each attention projection's rows are indexed: by query heads ("q"), KV heads ("kv"), fused ("qkv"), or
+    # its columns by query heads ("o").
+    projections: ClassVar[dict[str, str]] = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "o"}
+
+    def attention_key(self) -> re.Pattern:
+        """Matches a state-dict key of an attention projection: groups (layer, projection, rest of the key)."""
+        names = "|".join(self.projections)
+        return re.compile(rf"\.layers\.(\d+)\.self_attn\.({names})\.(.+)$")
+
+    def split_qkv_rows(self, tensor: torch.Tensor, geo: HeadGeometry) -> tuple[torch.Tensor, ...]:
+        """A fused projection's rows as (q, k, v) (fused families only)."""
+        raise NotImplementedError(f"{self.name} has no fused qkv projection")
 
     def across_head_norms(self, attn: nn.Module) -> dict[str, nn.Module]:
         """``{"q": q_norm, "k": k_norm}`` where they normalise over all heads together (empty otherwise)."""
@@ -104,13 +121,26 @@ class ArchAdapter:
     def export_config(self, config, shapes: list[tuple[int, int]]):
         """A config for the pruned model: uniform shapes go into the global fields (explicit head_dim), differing
         shapes into ``per_layer_config``. Returns None if this family's config class refuses the shapes."""
-        return _config_with_heads(type(config), config, shapes, self.layout_head_dim(config))
+        return _config_with_heads(type(config), config, shapes, self.head_dim(config))
 
-    def layout_head_dim(self, config) -> int:
+    def head_dim(self, config) -> int:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def causal_lm_class_name(self, config) -> str:
+        """The transformers class that loads ``config`` as a causal LM (``LlamaForCausalLM``, ...)."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
 
     def valid_num_heads(self, config, num_heads: int) -> bool:
         return num_heads > 0
+
+
+class SkippedAttention(nn.Module):
+    """A layer whose heads were all removed: attention adds nothing to the residual stream (no parameters)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
 
 
 def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head_dim: int):
@@ -120,9 +150,10 @@ def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head
         d.pop(key, None)
     d["head_dim"] = head_dim
     if config_class.model_type != config.model_type:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
         d["model_type"] = config_class.model_type
-        d["architectures"] = [(d.get("architectures") or [type(config).__name__.replace("Config", "ForCausalLM")])[0].replace(type(config).__name__.replace("Config", ""),
-                                                                      config_class.__name__.replace("Config", ""))]
+        d["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config_class.model_type]]
     counts = {shape for shape in shapes if shape[0] > 0}
     if len(counts) <= 1 and all(h > 0 for h, _ in shapes):
         (h, kv), = counts
@@ -154,7 +185,7 @@ class LlamaAdapter(ArchAdapter):
             return cfg
         from transformers import MistralConfig
 
-        cfg = _config_with_heads(MistralConfig, config, shapes, self.layout_head_dim(config))
+        cfg = _config_with_heads(MistralConfig, config, shapes, self.head_dim(config))
         if cfg is not None:
             cfg.sliding_window = None
         return cfg
@@ -188,15 +219,13 @@ class Olmo2Adapter(ArchAdapter):
     def across_head_norms(self, attn):
         return {"q": attn.q_norm, "k": attn.k_norm}
 
-    def sliced_norms(self, attn, plan):
-        from ..pruning import _rows
-
+    def sliced_norms(self, attn, slots, kv_slots, head_dim):
         def sliced(norm, index):
             new = copy.deepcopy(norm)
-            new.weight = nn.Parameter(_rows(norm.weight, index, plan.layout.head_dim), requires_grad=False)
+            new.weight = nn.Parameter(head_rows(norm.weight, index, head_dim), requires_grad=False)
             return new
 
-        return {"q_norm": sliced(attn.q_norm, plan.slots), "k_norm": sliced(attn.k_norm, plan.kv_slots)}
+        return {"q_norm": sliced(attn.q_norm, slots), "k_norm": sliced(attn.k_norm, kv_slots)}
 
 
 class Gemma2Adapter(ArchAdapter):
@@ -218,26 +247,37 @@ class Phi3Adapter(ArchAdapter):
     name = "phi3"
     model_types = ("phi3",)
     fused_qkv = True
+    lora_targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    projections = {"qkv_proj": "qkv", "o_proj": "o"}
 
     def _kv_out_features(self, attn: nn.Module) -> int:
         q_size = attn.o_proj.in_features
         return (attn.qkv_proj.out_features - q_size) // 2
 
+    def split_qkv_rows(self, tensor, geo):
+        q_size, kv_size = geo.num_heads * geo.head_dim, geo.num_kv_heads * geo.head_dim
+        return tensor[:q_size], tensor[q_size:q_size + kv_size], tensor[q_size + kv_size:]
+
     def qkv_weights(self, attn):
-        q_size = attn.o_proj.in_features
-        kv_size = self._kv_out_features(attn)
-        w = attn.qkv_proj.weight
-        b = attn.qkv_proj.bias
-        split = lambda t: (None, None, None) if t is None else (t[:q_size], t[q_size:q_size + kv_size], t[q_size + kv_size:])
-        (qw, kw, vw), (qb, kb, vb) = split(w), split(b)
+        geo = HeadGeometry(attn.o_proj.in_features // attn.head_dim, self._kv_out_features(attn) // attn.head_dim,
+                           int(attn.head_dim))
+        (qw, kw, vw) = self.split_qkv_rows(attn.qkv_proj.weight, geo)
+        bias = attn.qkv_proj.bias
+        (qb, kb, vb) = (None, None, None) if bias is None else self.split_qkv_rows(bias, geo)
         return qw, qb, kw, kb, vw, vb
 
     def build_qkv(self, attn, new):
-        from ..pruning import _linear
-
         weight = torch.cat([new[n][0] for n in ("q", "k", "v")])
         bias = None if new["q"][1] is None else torch.cat([new[n][1] for n in ("q", "k", "v")])
-        return {"qkv_proj": _linear(weight, bias)}
+        return {"qkv_proj": frozen_linear(weight, bias)}
+
+    def set_head_counts(self, attn, num_heads, num_kv_heads):
+        """Phi-3 reads head counts from the module's config at forward time: give the layer a config of its own."""
+        super().set_head_counts(attn, num_heads, num_kv_heads)
+        layer_config = copy.copy(attn.config)
+        layer_config.__dict__["num_attention_heads"] = num_heads
+        layer_config.__dict__["num_key_value_heads"] = num_kv_heads
+        attn.config = layer_config
 
     def value_projection(self, attn: nn.Module) -> tuple[nn.Module, slice | None]:
         # qkv_proj output is [q (H*D) | k (KV*D) | v (KV*D)].

@@ -195,9 +195,7 @@ def load_model(
         raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    layers = adapter.decoder_layers(model)
-    if not all(hasattr(layer.self_attn, "o_proj") for layer in layers) or len(
-            {adapter.layout(model, i) for i in range(len(layers))}) > 1:
+    if not adapter.is_stock(model):
         raise UserError(f"{spec!r} has different attention head counts per layer (an already pruned per-layer export?); "
                         "prune-heads scores and prunes stock models: pass the original model, or a uniform export")
     model.to(dev).eval()

