@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from _common import machine, result, timed
+
 from prune_heads.data.mmlu import LETTERS, load_mmlu
 from prune_heads.evaluation import encode_task, evaluate
 from prune_heads.models import load_model
@@ -51,8 +51,10 @@ metric_list:
 def write_tasks(data, directory: Path) -> list[str]:
     names = []
     for n, subject in enumerate(data.subjects):
-        rows = lambda qs: "".join(json.dumps({"question": q.question, "subject": subject.name, "choices": list(q.choices),  # noqa: E731
-                                               "answer": q.gold}) + "\n" for q in qs)
+        def rows(qs, subject=subject):
+            return "".join(json.dumps({"question": q.question, "subject": subject.name, "choices": list(q.choices),
+                                       "answer": q.gold}) + "\n" for q in qs)
+
         test, dev = directory / f"test_{n}.jsonl", directory / f"dev_{n}.jsonl"
         test.write_text(rows(subject.questions))
         dev.write_text(rows(subject.exemplars))
@@ -65,8 +67,11 @@ def write_tasks(data, directory: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--subjects", default="abstract_algebra,anatomy", help="a number (the first N subjects in file "
-                    "order) or comma-separated subject names")
+    ap.add_argument(
+        "--subjects",
+        default="abstract_algebra,anatomy",
+        help="a number (the first N subjects in file order) or comma-separated subject names",
+    )
     ap.add_argument("--per-subject", type=int, default=0, help="questions per subject; 0: all")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
@@ -86,23 +91,43 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     tasks = write_tasks(data, tmp)
     harness = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=args.batch_size, device=str(lm.device))
-    t_theirs, out = timed(lambda: lm_eval.simple_evaluate(model=harness, tasks=tasks, num_fewshot=5, log_samples=True,
-                                                          task_manager=TaskManager(include_path=str(tmp)), verbosity="ERROR"))
+    t_theirs, out = timed(
+        lambda: lm_eval.simple_evaluate(
+            model=harness,
+            tasks=tasks,
+            num_fewshot=5,
+            log_samples=True,
+            task_manager=TaskManager(include_path=str(tmp)),
+            verbosity="ERROR",
+        )
+    )
     theirs = []
     for name in tasks:
         samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
         theirs += [int(torch.tensor([float(r[0]) for r in s["filtered_resps"]]).argmax()) for s in samples]
     preds = ours.pred.tolist()
     agree = sum(a == b for a, b in zip(preds, theirs)) / len(preds)
-    ll_theirs = torch.tensor([[float(r[0]) for r in s["filtered_resps"]] for name in tasks
-                              for s in sorted(out["samples"][name], key=lambda s: s["doc_id"])], dtype=torch.float64)
+    ll_theirs = torch.tensor(
+        [
+            [float(r[0]) for r in s["filtered_resps"]]
+            for name in tasks
+            for s in sorted(out["samples"][name], key=lambda s: s["doc_id"])
+        ],
+        dtype=torch.float64,
+    )
     n = len(preds)
     print(f"machine: {machine()}; {lm.dtype}; {n} questions in {len(tasks)} subjects, batch {args.batch_size}")
-    print(f"prune-heads          : {t_ours:8.2f} s  ({n / t_ours:6.2f} questions/s)  accuracy {100 * ours.accuracy:.2f}%")
+    print(
+        f"prune-heads          : {t_ours:8.2f} s  ({n / t_ours:6.2f} questions/s)  accuracy {100 * ours.accuracy:.2f}%"
+    )
     acc_theirs = sum(int(p == q.gold) for p, q in zip(theirs, ours.questions)) / n
-    print(f"lm-evaluation-harness: {t_theirs:8.2f} s  ({n / t_theirs:6.2f} questions/s)  accuracy {100 * acc_theirs:.2f}%")
-    print(f"max |loglik difference| {float((ours.loglik - ll_theirs).abs().max()):.2e}; predictions: "
-          f"{''.join(LETTERS[p] for p in preds[:40])}...")
+    print(
+        f"lm-evaluation-harness: {t_theirs:8.2f} s  ({n / t_theirs:6.2f} questions/s)  accuracy {100 * acc_theirs:.2f}%"
+    )
+    print(
+        f"max |loglik difference| {float((ours.loglik - ll_theirs).abs().max()):.2e}; predictions: "
+        f"{''.join(LETTERS[p] for p in preds[:40])}..."
+    )
     result("speedup_vs_lm_eval", round(t_theirs / t_ours, 2))
     result("prediction_agreement", round(agree, 4))
 

@@ -21,7 +21,17 @@ from _common import machine, result
 def main() -> None:
     extra = sys.argv[1:]
     out = Path(tempfile.mkdtemp()) / "pruned"
-    cmd = [sys.executable, "-m", "prune_heads_cli", "--model", "smollm2-135m", "--out", str(out), "--no-progress", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "prune_heads_cli",
+        "--model",
+        "smollm2-135m",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
     print(f"machine: {machine()}")
     print("command:", " ".join(cmd[2:]))
     t = time.perf_counter()
@@ -31,13 +41,19 @@ def main() -> None:
     if proc.returncode != 0:
         print(proc.stderr[-3000:])
         raise SystemExit(proc.returncode)
-    print("\n".join(line for line in proc.stderr.splitlines() if "heads" in line or "mmlu" in line.lower() or "layout" in line))
+    print(
+        "\n".join(
+            line for line in proc.stderr.splitlines() if "heads" in line or "mmlu" in line.lower() or "layout" in line
+        )
+    )
     report = json.loads((out / "report.json").read_text())
     total = report["task"]["questions"]
     searched = [p for p in report["points"] if p["num_heads"] > 0]
     evaluated = sum(p["n"] for p in searched)
-    print(f"search: {len(searched)} points, {sum(1 for p in searched if p.get('stopped_early'))} stopped early; "
-          f"{evaluated} question evaluations of {len(searched) * total} without early stop")
+    print(
+        f"search: {len(searched)} points, {sum(1 for p in searched if p.get('stopped_early'))} stopped early; "
+        f"{evaluated} question evaluations of {len(searched) * total} without early stop"
+    )
     shutil.rmtree(out.parent, ignore_errors=True)
     result("pipeline_seconds", round(seconds, 1))
     result("pipeline_peak_rss_mb", round(peak_mb))

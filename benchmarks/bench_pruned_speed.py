@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import machine, result
+
 from exporters.export import export_pruned
 from prune_heads.heads import HeadSet
 from prune_heads.models import load_model
@@ -131,7 +131,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     lm = load_model(args.model, args.dtype, args.device)
-    layouts = lm.adapter.geometries(lm.model)
+    layouts = lm.arch.geometries(lm.model)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "pruned").mkdir()
     (tmp / "unpruned").mkdir()
@@ -164,20 +164,26 @@ def main() -> None:
 
     print(f"machine: {machine()}; {dtype}; batch {args.batch} x {args.seq} tokens, {args.new_tokens} decode steps, "
           f"{args.rounds} alternating rounds; removed: {args.remove}, heads per layer {before[0]} -> {after[0]}")
-    print(f"{'':10s} {'params':>12s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'KV B/token':>11s} {'fwd peak MB':>11s}")
+    print(f"{'':10s} {'params':>12s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'KV B/token':>11s} "
+          f"{'fwd peak MB':>11s}")
     for name, stats in (("unpruned", base_res.stats["after"]), ("pruned", res.stats["after"])):
         t = times[name]
         mem = peak_memory_mb(tmp / name, str(dtype).replace("torch.", ""), args.batch, args.seq)
         params = sum(p.numel() for p in models[name].parameters())
-        print(f"{name:10s} {params:12,d} {args.batch * args.seq / statistics.median(t['prefill']):14.0f} "
-              f"{args.batch * args.new_tokens / statistics.median(t['decode']):13.1f} "
-              f"{stats['kv_cache_bytes_per_token']:11,d} {mem:11.0f}")
+        print(
+            f"{name:10s} {params:12,d} {args.batch * args.seq / statistics.median(t['prefill']):14.0f} "
+            f"{args.batch * args.new_tokens / statistics.median(t['decode']):13.1f} "
+            f"{stats['kv_cache_bytes_per_token']:11,d} {mem:11.0f}"
+        )
     for kind, share in (("prefill", prefill_removed), ("decode", decode_removed)):
         expected = 1 / (1 - share) - 1
         measured = speedup(kind)
-        print(f"{kind:8s}: attention compute removed {100 * share:.1f}% of FLOPs -> expected speed-up "
-              f"{100 * expected:.1f}%, measured {100 * measured:.1f}% (median of per-round ratios; rounds: "
-              + ", ".join(f"{u / p - 1:+.1%}" for u, p in zip(times["unpruned"][kind], times["pruned"][kind])) + ")")
+        print(
+            f"{kind:8s}: attention compute removed {100 * share:.1f}% of FLOPs -> expected speed-up "
+            f"{100 * expected:.1f}%, measured {100 * measured:.1f}% (median of per-round ratios; rounds: "
+            + ", ".join(f"{u / p - 1:+.1%}" for u, p in zip(times["unpruned"][kind], times["pruned"][kind]))
+            + ")"
+        )
         name = "pruned_speedup_fraction" if kind == "prefill" else "pruned_decode_speedup_fraction"
         result(name, round(measured / expected, 3))
 

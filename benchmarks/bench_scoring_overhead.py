@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _common import machine, result, timed
+
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.evaluation import encode_task
 from prune_heads.models import load_model

@@ -84,7 +84,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
 
     ``heal(pruned_model, plan) -> (healed_model, record)`` (LoRA healing) runs on the physically pruned model once
     it is checked against the ablated original; the export then ships, and is verified against, the healed model."""
-    geometries = lm.adapter.geometries(lm.model)
+    geometries = lm.arch.geometries(lm.model)
     heads.validate(len(geometries), [g.num_heads for g in geometries])
     choice = (planner or planner_for(lm)).choose(heads, layout)
     log(f"layout {choice.layout}: {choice.reason}")
@@ -111,7 +111,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
 
 def _pruned_model(lm: LoadedModel, choice: LayoutChoice, enc: EncodedTask | None, heal):
     """A physically pruned copy (healed if asked, after checking the unhealed copy against the ablation)."""
-    pruned = pruned_copy(lm.model, lm.adapter, choice.plan)
+    pruned = pruned_copy(lm.model, lm.arch, choice.plan)
     if heal is None:
         return pruned, None
     ids = sample_prompts(lm, enc).to(lm.device)
@@ -124,10 +124,10 @@ def _pruned_model(lm: LoadedModel, choice: LayoutChoice, enc: EncodedTask | None
 
 def _export_config(lm: LoadedModel, choice: LayoutChoice):
     """The pruned model's config: the plan's head counts (the original ones for the masked layout)."""
-    geometries = lm.adapter.geometries(lm.model)
+    geometries = lm.arch.geometries(lm.model)
     shapes = ([(g.num_heads, g.num_kv_heads) for g in geometries] if choice.layout == "masked"
               else choice.plan.shapes)
-    config = lm.adapter.export_config(lm.config, shapes)
+    config = lm.arch.export_config(lm.config, shapes)
     if config is None:
         raise UserError(f"the {lm.config.model_type} config cannot describe the head counts {sorted(set(shapes))}; "
                         "use --layout masked")
@@ -154,7 +154,7 @@ def _write(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, max_shard_s
         raise
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    base_class = lm.adapter.causal_lm_class_name(config)
+    base_class = lm.arch.causal_lm_class_name(config)
     cfg["architectures"] = [base_class]
     if choice.layout == "per-layer":
         write_text(out / "modeling_pruned.py", TEMPLATE.read_text().replace("{{BASE_ARCHITECTURE}}", base_class))
@@ -218,8 +218,8 @@ def _evaluate_export(reloaded: LoadedModel, out: Path, check: ExportCheck, heali
 
 
 def export_stats(lm: LoadedModel, pruned, choice: LayoutChoice, heads: HeadSet) -> dict:
-    geometries = lm.adapter.geometries(lm.model)
-    head_dim = lm.adapter.head_dim(lm.config)
+    geometries = lm.arch.geometries(lm.model)
+    head_dim = lm.arch.head_dim(lm.config)
     before = model_stats(lm.model, [(g.num_heads, g.num_kv_heads) for g in geometries], head_dim, lm.dtype)
     after = model_stats(pruned, choice.plan.shapes, head_dim, lm.dtype)
     if choice.layout == "masked":

@@ -23,7 +23,7 @@ from .planning import LayerPlan, PrunePlan
 class HeadAblation:
     def __init__(self, lm: LoadedModel):
         self.lm = lm
-        self.geometries = lm.adapter.geometries(lm.model)
+        self.geometries = lm.arch.geometries(lm.model)
         self.mask: torch.Tensor | None = None
         self._active: list[bool] = []
         self._handles: list = []
@@ -32,14 +32,16 @@ class HeadAblation:
     def set_mask(self, mask: "torch.Tensor | HeadSet | PrunePlan | None") -> None:
         self._norm_plan = [None] * len(self.geometries)
         if isinstance(mask, PrunePlan):
-            if mask.kind != "masked" and self.lm.adapter.qk_norm == "across_heads":
+            if mask.kind != "masked" and self.lm.arch.qk_norm == "across_heads":
                 self._norm_plan = [None if lp.is_identity or not lp.slots else lp for lp in mask.layers]
             mask = mask.removed
         if isinstance(mask, HeadSet):
             mask = mask_for(self.lm, mask)
         self.mask = None if mask is None else mask.to(self.lm.device)
         # Which layers actually remove something, decided once here rather than per forward.
-        self._active = [] if self.mask is None else [bool((self.mask[..., i, :] != 1).any()) for i in range(self.mask.shape[-2])]
+        self._active = (
+            [] if self.mask is None else [bool((self.mask[..., i, :] != 1).any()) for i in range(self.mask.shape[-2])]
+        )
 
     def _hook(self, layer: int):
         geo = self.geometries[layer]
@@ -85,12 +87,12 @@ class HeadAblation:
         return hook
 
     def __enter__(self) -> "HeadAblation":
-        adapter = self.lm.adapter
-        for layer in range(adapter.num_layers(self.lm.model)):
-            attn = adapter.attention(self.lm.model, layer)
-            o_proj = adapter.output_projection(attn)
+        arch = self.lm.arch
+        for layer in range(arch.num_layers(self.lm.model)):
+            attn = arch.attention(self.lm.model, layer)
+            o_proj = arch.output_projection(attn)
             self._handles.append(o_proj.register_forward_pre_hook(self._hook(layer)))
-            for which, norm in adapter.across_head_norms(attn).items():
+            for which, norm in arch.across_head_norms(attn).items():
                 self._handles.append(norm.register_forward_hook(self._norm_hook(layer, which)))
         return self
 
@@ -103,7 +105,7 @@ class HeadAblation:
 
 
 def mask_for(lm: LoadedModel, heads: HeadSet) -> torch.Tensor:
-    geometries = lm.adapter.geometries(lm.model)
+    geometries = lm.arch.geometries(lm.model)
     heads.validate(len(geometries), [geo.num_heads for geo in geometries])
     return heads.mask(len(geometries), max(geo.num_heads for geo in geometries))
 

@@ -62,7 +62,9 @@ def _causal_mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     s_q, s_k = query.shape[2], key.shape[2]
     rows = torch.arange(s_q, device=query.device)[:, None] + (s_k - s_q)
     hidden = torch.arange(s_k, device=query.device)[None, :] > rows
-    return torch.zeros(s_q, s_k, dtype=query.dtype, device=query.device).masked_fill(hidden, torch.finfo(query.dtype).min)[None, None]
+    return torch.zeros(s_q, s_k, dtype=query.dtype, device=query.device).masked_fill(
+        hidden, torch.finfo(query.dtype).min
+    )[None, None]
 
 
 def _fused_cpu(query, key, value, mask, scale):
@@ -80,11 +82,11 @@ def _explicit(query, key, value, mask, scale, softcap):
     outs, entropies, firsts = [], [], []
     s_len = query.shape[2]
     for start in range(0, s_len, QUERY_BLOCK):
-        q = query[:, :, start:start + QUERY_BLOCK]
+        q = query[:, :, start : start + QUERY_BLOCK]
         scores = torch.matmul(q, key.transpose(2, 3)).float() * scale  # [B, H, block, S]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores + mask[:, :, start:start + QUERY_BLOCK].float()
+        scores = scores + mask[:, :, start : start + QUERY_BLOCK].float()
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         p = torch.exp(scores - lse)
         outs.append(torch.matmul(p.to(value.dtype), value))

@@ -35,7 +35,7 @@ from .planning import PrunePlan
 
 def encode(lm: LoadedModel, text: str) -> list[int]:
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if lm.adapter.add_bos_for_eval and lm.tokenizer.bos_token_id is not None:
+    if lm.arch.add_bos_for_eval and lm.tokenizer.bos_token_id is not None:
         ids = [lm.tokenizer.bos_token_id] + ids
     return ids
 
@@ -232,7 +232,8 @@ def _reference_loglik(lm: LoadedModel, item: EncodedQuestion) -> list[float]:
     return out
 
 
-def evaluate_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = None, progress: bool = False, label: str = "") -> EvalResult:
+def evaluate_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = None, progress: bool = False,
+                       label: str = "") -> EvalResult:
     get_mask = _mask_getter(lm, masks)
     items = enc.items
     loglik = empty_loglik(enc)
@@ -244,8 +245,13 @@ def evaluate_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = None
 
 
 @torch.no_grad()
-def _batched_loglik(lm: LoadedModel, items: Sequence[EncodedQuestion], batch_size: int, abl=None,
-                    row_masks: Sequence[torch.Tensor] | None = None) -> list[list[float]]:
+def _batched_loglik(
+    lm: LoadedModel,
+    items: Sequence[EncodedQuestion],
+    batch_size: int,
+    abl=None,
+    row_masks: Sequence[torch.Tensor] | None = None,
+) -> list[list[float]]:
     """Every (context, continuation) request of ``items`` in right-padded batches, longest first; with ``row_masks``
     (one [L, H] mask per item) each row is ablated with its own question's mask. Logits are computed only at the
     positions that predict continuation tokens."""
@@ -265,7 +271,7 @@ def _batched_loglik(lm: LoadedModel, items: Sequence[EncodedQuestion], batch_siz
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))
     dev = lm.device
     for start in range(0, len(order), batch_size):
-        chunk = [requests[r] for r in order[start:start + batch_size]]
+        chunk = [requests[r] for r in order[start : start + batch_size]]
         ids = torch.zeros(len(chunk), max(len(r[2]) for r in chunk), dtype=torch.long)
         for row, r in enumerate(chunk):
             ids[row, : len(r[2])] = torch.tensor(r[2])
@@ -283,7 +289,9 @@ def _batched_loglik(lm: LoadedModel, items: Sequence[EncodedQuestion], batch_siz
 
 
 @torch.no_grad()
-def _shared_context_loglik(lm: LoadedModel, item: EncodedQuestion, abl=None, mask: torch.Tensor | None = None) -> list[float]:
+def _shared_context_loglik(
+    lm: LoadedModel, item: EncodedQuestion, abl=None, mask: torch.Tensor | None = None
+) -> list[float]:
     """One question whose choices share its context: the context (but its last token) runs once into a KV cache,
     then every choice's ``[last context token] + continuation[:-1]`` runs on top of it, one row per choice (right
     padding after a row's tokens cannot reach them). ``mask``: this question's own [L, H] ablation."""
@@ -313,8 +321,14 @@ def _expand_cache(cache, batch: int):
 
 
 @torch.no_grad()
-def _fast_subject(lm: LoadedModel, subject: EncodedSubject, rows: Sequence[int], batch_size: int,
-                  abl: "HeadAblation | None" = None, masks: torch.Tensor | None = None) -> list[dict[int, list[float]]]:
+def _fast_subject(
+    lm: LoadedModel,
+    subject: EncodedSubject,
+    rows: Sequence[int],
+    batch_size: int,
+    abl: "HeadAblation | None" = None,
+    masks: torch.Tensor | None = None,
+) -> list[dict[int, list[float]]]:
     """Log-likelihoods for ``rows`` (indices into subject.items), one dict per head set.
 
     ``masks`` None: one set, the ablation the caller has already set. ``masks`` [n, L, H]: n static head sets in
@@ -342,8 +356,12 @@ def _fast_subject(lm: LoadedModel, subject: EncodedSubject, rows: Sequence[int],
         # Right padding needs no attention mask: under the causal mask, pads after a row's last real token
         # never reach it. Logits are computed only at the positions where some row ends.
         ends = sorted(set(m - 1 for m in lengths))
-        logits = model(input_ids=ids.to(dev), cache=_expand_cache(cache, c), use_cache=True,
-                       logits_to_keep=torch.tensor(ends, device=dev)).logits  # [n*c, len(ends), V]
+        logits = model(
+            input_ids=ids.to(dev),
+            cache=_expand_cache(cache, c),
+            use_cache=True,
+            logits_to_keep=torch.tensor(ends, device=dev),
+        ).logits  # [n*c, len(ends), V]
         for s in range(n):
             for q, r in enumerate(chunk):
                 lp = _logprobs_at(logits[s * c + q, ends.index(lengths[q] - 1)])
@@ -377,7 +395,7 @@ def evaluate(
     items = enc.items
     desc = f"{enc.task} {label}".strip()
     # No hooks at all when nothing is ablated (the model may not even have per-layer attention, e.g. skipped layers).
-    with (HeadAblation(lm) if masks is not None else _NoAblation()) as abl:
+    with HeadAblation(lm) if masks is not None else _NoAblation() as abl:
         if _per_question(masks):
             row_masks = [get_mask(i).to(torch.float32) for i in range(len(items))]
             for i, ll in enumerate(_batched_all(lm, items, batch_size, abl, row_masks, progress, desc)):
@@ -385,8 +403,9 @@ def evaluate(
             return EvalResult([it.question for it in items], loglik, label)
         abl.set_mask(get_mask(0))
         offset, slow = 0, []
-        for subject in tqdm(enc.subjects, desc=desc, unit="subject", disable=not progress or len(enc.subjects) < 2,
-                            leave=False):
+        for subject in tqdm(
+            enc.subjects, desc=desc, unit="subject", disable=not progress or len(enc.subjects) < 2, leave=False
+        ):
             fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
             results = _fast_subject(lm, subject, fast_rows, batch_size)[0] if fast_rows else {}
             for r, ll in results.items():
@@ -405,8 +424,8 @@ def _batched_all(lm, items, batch_size, abl, row_masks, progress, desc) -> list[
     out: list[list[float]] = []
     bar = tqdm(total=len(items), desc=desc, unit="question", disable=not progress, leave=False)
     for start in range(0, len(items), block):
-        part = items[start:start + block]
-        masks = row_masks[start:start + block] if row_masks is not None else None
+        part = items[start : start + block]
+        masks = row_masks[start : start + block] if row_masks is not None else None
         out += _batched_loglik(lm, part, batch_size, abl, masks)
         bar.update(len(part))
     bar.close()
@@ -442,7 +461,11 @@ class PairedDelta:
     n: int
 
     def to_json(self) -> dict:
-        return {"delta_points": round(self.delta, 4), "ci95_points": [round(self.ci_low, 4), round(self.ci_high, 4)], "n": self.n}
+        return {
+            "delta_points": round(self.delta, 4),
+            "ci95_points": [round(self.ci_low, 4), round(self.ci_high, 4)],
+            "n": self.n,
+        }
 
 
 def restricted(baseline: EvalResult, result: EvalResult) -> EvalResult:
@@ -500,8 +523,13 @@ def evaluate_many(
     items = enc.items
     offset, slow = 0, []
     with HeadAblation(lm) as abl:
-        for subject in tqdm(enc.subjects, desc=f"{enc.task} {label}".strip(), unit="subject",
-                            disable=not progress or len(enc.subjects) < 2, leave=False):
+        for subject in tqdm(
+            enc.subjects,
+            desc=f"{enc.task} {label}".strip(),
+            unit="subject",
+            disable=not progress or len(enc.subjects) < 2,
+            leave=False,
+        ):
             fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
             if fast_rows:
                 for s, results in enumerate(_fast_subject(lm, subject, fast_rows, batch_size, abl, masks)):
@@ -511,8 +539,15 @@ def evaluate_many(
             offset += len(subject.items)
         if slow:  # every head set's rows in the same batches, each row with its set's mask
             rows = [(s, i) for s in range(n) for i in slow]
-            results = _batched_all(lm, [items[i] for _, i in rows], batch_size, abl, [masks[s] for s, _ in rows],
-                                   progress, f"{enc.task} {label}".strip())
+            results = _batched_all(
+                lm,
+                [items[i] for _, i in rows],
+                batch_size,
+                abl,
+                [masks[s] for s, _ in rows],
+                progress,
+                f"{enc.task} {label}".strip(),
+            )
             for (s, i), ll in zip(rows, results):
                 _store(loglik[s], i, ll)
     questions = [it.question for it in enc.items]
@@ -520,8 +555,12 @@ def evaluate_many(
 
 
 @torch.no_grad()
-def next_token_kl(lm: LoadedModel, sequences: Sequence[Sequence[int]], masks: "HeadSet | PrunePlan | torch.Tensor",
-                  batch_size: int = 8) -> torch.Tensor:
+def next_token_kl(
+    lm: LoadedModel,
+    sequences: Sequence[Sequence[int]],
+    masks: "HeadSet | PrunePlan | torch.Tensor",
+    batch_size: int = 8,
+) -> torch.Tensor:
     """Per sequence, the mean over its positions of KL(unablated || ablated) in nats between the two models'
     next-token distributions: damage measured on text itself, whatever the model's accuracy. ``[len(sequences)]``."""
     out = torch.zeros(len(sequences), dtype=torch.float64)
@@ -529,7 +568,7 @@ def next_token_kl(lm: LoadedModel, sequences: Sequence[Sequence[int]], masks: "H
     dev = lm.device
     with HeadAblation(lm) as abl:
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             lengths = torch.tensor([len(sequences[i]) for i in idx])
             ids = torch.zeros(len(idx), int(lengths.max()), dtype=torch.long)
             for row, i in enumerate(idx):

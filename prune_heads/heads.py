@@ -74,7 +74,8 @@ class HeadSet:
                 raise UserError(f"head set names layer {layer}, but the model has layers 0..{num_layers - 1}")
             if not 0 <= h < heads_per_layer[layer]:
                 raise UserError(
-                    f"head set names head {h} of layer {layer}, but that layer has heads 0..{heads_per_layer[layer] - 1}"
+                    f"head set names head {h} of layer {layer}, but that layer has heads "
+                    f"0..{heads_per_layer[layer] - 1}"
                 )
         return self
 
@@ -89,7 +90,7 @@ class HeadSet:
                 raise ValueError("top level is not an object")
             return HeadSet.of({int(k): [int(h) for h in v] for k, v in raw.items()})
         except (ValueError, TypeError) as e:
-            raise UserError(f"head set file {path} is malformed ({e}); expected {{\"layer\": [head, ...]}}") from None
+            raise UserError(f'head set file {path} is malformed ({e}); expected {{"layer": [head, ...]}}') from None
 
 
 # Direction of each base score: "low" means a low value marks a dormant head.

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from .errors import UserError
 
+
 @dataclass(frozen=True)
 class HealConfig:
     steps: int
@@ -28,14 +29,14 @@ class HealConfig:
         return asdict(self)
 
 
-def dead_head_slots(model: torch.nn.Module, adapter, plan) -> dict[str, tuple[int, list[int]]]:
+def dead_head_slots(model: torch.nn.Module, arch, plan) -> dict[str, tuple[int, list[int]]]:
     """``{o_proj module name: (head_dim, slots)}`` of the head slots of a pruned model that must stay silent: zero
     dummy heads that pad a layer to a shape, and the removed heads of a masked layout."""
     names = {id(m): n for n, m in model.named_modules()}
     out = {}
     for i, lp in enumerate(plan.layers):
         if lp.silent_slots:
-            o_proj = adapter.output_projection(adapter.attention(model, i))
+            o_proj = arch.output_projection(arch.attention(model, i))
             out[names[id(o_proj)]] = (lp.geometry.head_dim, lp.silent_slots)
     return out
 
@@ -85,7 +86,9 @@ def _train(peft_model, sequences: list[list[int]], config: HealConfig, progress:
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimiser = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     losses = []
-    bar = tqdm(_batches(sequences, config), total=config.steps, desc="healing (LoRA)", unit="step", disable=not progress)
+    bar = tqdm(
+        _batches(sequences, config), total=config.steps, desc="healing (LoRA)", unit="step", disable=not progress
+    )
     for ids, mask, labels in bar:
         loss = peft_model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
         loss.backward()
@@ -99,15 +102,16 @@ def _train(peft_model, sequences: list[list[int]], config: HealConfig, progress:
 
 
 @torch.no_grad()
-def _merge(peft_model, probe: torch.Tensor, trained: torch.Tensor, dead_heads: dict,
-           dtypes: dict) -> tuple[torch.nn.Module, float]:
+def _merge(
+    peft_model, probe: torch.Tensor, trained: torch.Tensor, dead_heads: dict, dtypes: dict
+) -> tuple[torch.nn.Module, float]:
     """Merge the adapters, silence the dead heads' o_proj columns again, restore each tensor's dtype; the merged
     model and its max |logit diff| on ``probe`` against ``trained``, the unmerged model's logits."""
     merged = peft_model.merge_and_unload()
     for name, (d, slots) in dead_heads.items():
         weight = merged.get_submodule(name).weight
         for j in slots:
-            weight[:, j * d:(j + 1) * d] = 0
+            weight[:, j * d : (j + 1) * d] = 0
     merge_diff = float((merged(input_ids=probe).logits.float() - trained).abs().max())
     for name, t in [*merged.named_parameters(), *merged.named_buffers()]:
         if name in dtypes and t.dtype != dtypes[name]:
@@ -117,9 +121,15 @@ def _merge(peft_model, probe: torch.Tensor, trained: torch.Tensor, dead_heads: d
     return merged, merge_diff
 
 
-def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig, progress: bool = True, log=print,
-         dead_heads: dict[str, tuple[int, list[int]]] | None = None, lora_targets: tuple[str, ...] | None = None,
-         ) -> tuple[torch.nn.Module, dict]:
+def heal(
+    model: torch.nn.Module,
+    sequences: list[list[int]],
+    config: HealConfig,
+    progress: bool = True,
+    log=print,
+    dead_heads: dict[str, tuple[int, list[int]]] | None = None,
+    lora_targets: tuple[str, ...] | None = None,
+) -> tuple[torch.nn.Module, dict]:
     """Train LoRA adapters on ``model`` (modified in place) for ``config.steps`` steps on ``sequences`` (token ids),
     merge them, and return the merged model (in its original dtype) with the training record. ``lora_targets``:
     the family's linear layers LoRA trains (the architecture adapter's); default every linear layer but lm_head.
@@ -141,7 +151,9 @@ def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig,
     model.requires_grad_(False)
     peft_model = _with_lora(model, targets, config)
     dead_heads = dead_heads or {}
-    hooks = [_silence(peft_model.base_model.model.get_submodule(name), d, slots) for name, (d, slots) in dead_heads.items()]
+    hooks = [
+        _silence(peft_model.base_model.model.get_submodule(name), d, slots) for name, (d, slots) in dead_heads.items()
+    ]
     params, losses = _train(peft_model, sequences, config, progress)
     # What was trained (adapters unmerged, dead heads silenced), to check the merged weights against.
     probe = torch.tensor([sequences[0][:64]], device=next(peft_model.parameters()).device)
@@ -152,10 +164,18 @@ def heal(model: torch.nn.Module, sequences: list[list[int]], config: HealConfig,
         h.remove()
     merged, merge_diff = _merge(peft_model, probe, trained, dead_heads, dtypes)
     k = max(1, len(losses) // 10)
-    record = {**config.to_json(), "targets": targets, "texts": len(sequences),
-              "trainable_parameters": sum(p.numel() for p in params), "losses": [round(x, 6) for x in losses],
-              "loss_first": round(sum(losses[:k]) / k, 6), "loss_last": round(sum(losses[-k:]) / k, 6),
-              "merge_max_abs_logit_diff": merge_diff}
-    log(f"healed with LoRA (rank {config.rank}, {len(targets)} module types) for {config.steps} steps: loss "
-        f"{record['loss_first']:.4f} -> {record['loss_last']:.4f} (mean of first and last {k} steps)")
+    record = {
+        **config.to_json(),
+        "targets": targets,
+        "texts": len(sequences),
+        "trainable_parameters": sum(p.numel() for p in params),
+        "losses": [round(x, 6) for x in losses],
+        "loss_first": round(sum(losses[:k]) / k, 6),
+        "loss_last": round(sum(losses[-k:]) / k, 6),
+        "merge_max_abs_logit_diff": merge_diff,
+    }
+    log(
+        f"healed with LoRA (rank {config.rank}, {len(targets)} module types) for {config.steps} steps: loss "
+        f"{record['loss_first']:.4f} -> {record['loss_last']:.4f} (mean of first and last {k} steps)"
+    )
     return merged, record

@@ -60,7 +60,7 @@ def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
     the adapter."""
     model = [] if source.kind == "hub" else [str(Path(source.path) / source.gguf_file) if source.gguf_file
                                              else source.path]
-    files = [settings.calibration, settings.kl_text, settings.heal_data, settings.task_data, settings.adapter]
+    files = [settings.calibration, settings.kl_text, settings.heal_data, settings.task_data, settings.lora_adapter]
     if settings.mmlu and Path(settings.mmlu).exists():
         files.append(settings.mmlu)
     return tuple(model + [f for f in files if f])
@@ -86,14 +86,19 @@ def held_out_texts(settings: Settings, inputs: Inputs, n: int, need: str, flag: 
     """Up to ``n`` questions of the task that are neither evaluated nor exemplars, with their answers, as text."""
     questions = inputs.all_questions.held_out(inputs.questions, n)
     if not questions:
-        raise UserError(f"{need} needs held-out text, but every {settings.task} question is evaluated; pass {flag} FILE "
-                        "or evaluate fewer questions")
+        raise UserError(
+            f"{need} needs held-out text, but every {settings.task} question is evaluated; pass {flag} FILE "
+            "or evaluate fewer questions"
+        )
     fmt = task_format(settings.task)
-    return [fmt.gold_text(q) for q in questions], f"{len(questions)} held-out {settings.task} questions with their answers"
+    return [
+        fmt.gold_text(q) for q in questions
+    ], f"{len(questions)} held-out {settings.task} questions with their answers"
 
 
-def calibration_sequences(lm: LoadedModel, settings: Settings, inputs: Inputs,
-                          enc: EncodedTask | None) -> tuple[list[list[int]], str]:
+def calibration_sequences(
+    lm: LoadedModel, settings: Settings, inputs: Inputs, enc: EncodedTask | None
+) -> tuple[list[list[int]], str]:
     """Token sequences to score on: the user's texts, or else the task prompts themselves, taken round-robin
     over subjects so a small calibration set still covers every subject."""
     if inputs.calibration is not None:
@@ -104,16 +109,19 @@ def calibration_sequences(lm: LoadedModel, settings: Settings, inputs: Inputs,
     assert enc is not None
     # Truncated like calibration texts: a few 5-shot prompts run to thousands of tokens, and attention (with the
     # statistics the scoring pass collects) costs the square of that.
-    seqs = [x[: settings.max_length] for x in round_robin([[it.context for it in s.items] for s in enc.subjects],
-                                                            settings.calibration_size)]
+    seqs = [
+        x[: settings.max_length]
+        for x in round_robin([[it.context for it in s.items] for s in enc.subjects], settings.calibration_size)
+    ]
     return seqs, f"{settings.task} prompts of the verification questions (first {settings.max_length} tokens)"
 
 
 KL_TEXT_MAX_TOKENS = 256  # per held-out text: the next-token KL needs full-vocabulary logits at every position
 
 
-def kl_text_sequences(lm: LoadedModel, settings: Settings,
-                      inputs: Inputs) -> tuple[list[list[int]], str] | tuple[None, None]:
+def kl_text_sequences(
+    lm: LoadedModel, settings: Settings, inputs: Inputs
+) -> tuple[list[list[int]], str] | tuple[None, None]:
     """Text for the next-token KL, never seen by scoring or verification: --kl-text, else the calibration file's
     lines after the ones scored, else held-out questions of the task with their correct answers. Measured only
     when the budget is in next-token KL or --kl-text is given (it costs two forward passes per evaluated point)."""
@@ -126,16 +134,19 @@ def kl_text_sequences(lm: LoadedModel, settings: Settings,
         texts = inputs.calibration_rest[:n]
         source = f"lines after the first {settings.calibration_size} of {settings.calibration}"
         if not texts:
-            raise UserError(f"--metric kl-text needs held-out text, but {settings.calibration} has no lines after the "
-                            f"{settings.calibration_size} used for scoring; pass --kl-text FILE")
+            raise UserError(
+                f"--metric kl-text needs held-out text, but {settings.calibration} has no lines after the "
+                f"{settings.calibration_size} used for scoring; pass --kl-text FILE"
+            )
     else:
         texts, source = held_out_texts(settings, inputs, n, "--metric kl-text", "--kl-text")
         source += " (not evaluated, not scored)"
     return encoded_texts(lm, texts, KL_TEXT_MAX_TOKENS, source), source
 
 
-def heal_sequences(lm: LoadedModel, settings: Settings, inputs: Inputs, steps: int, batch_size: int,
-                   max_length: int) -> tuple[list[list[int]], str]:
+def heal_sequences(
+    lm: LoadedModel, settings: Settings, inputs: Inputs, steps: int, batch_size: int, max_length: int
+) -> tuple[list[list[int]], str]:
     """Healing text, never the questions being verified: --heal-data, else the --calibration file, else held-out
     questions of the task with their answers (as many as the steps consume, at most 1024)."""
     if inputs.heal_text is not None:
@@ -154,5 +165,6 @@ def compare_texts(settings: Settings, inputs: Inputs) -> list[str]:
     if inputs.calibration is not None:
         return inputs.calibration
     fmt = task_format(settings.task)
-    return round_robin([[fmt.requests(s, q)[0][0] for q in s.questions] for s in inputs.questions.subjects],
-                       settings.calibration_size)
+    return round_robin(
+        [[fmt.requests(s, q)[0][0] for q in s.questions] for s in inputs.questions.subjects], settings.calibration_size
+    )

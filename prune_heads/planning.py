@@ -44,7 +44,8 @@ class LayerPlan:
             g = len(self.slots) // len(self.kv_slots)
             for i, h in enumerate(self.slots):
                 if h is not None:
-                    assert self.kv_slots[i // g] == self.geometry.kv_head_of(h), "a query head must read its own KV head"
+                    own = self.geometry.kv_head_of(h)
+                    assert self.kv_slots[i // g] == own, "a query head must read its own KV head"
 
     @property
     def num_heads(self) -> int:
@@ -113,7 +114,8 @@ class PrunePlan:
                           tuple(int(k) for k in lp["kv_slots"]), frozenset(int(h) for h in lp["zero_output"]))
                 for lp in data["layers"])
         except (KeyError, TypeError, ValueError, AssertionError) as e:
-            raise UserError(f"the export's plan is malformed ({type(e).__name__}: {e}); export the model again") from None
+            why = f"{type(e).__name__}: {e}"
+            raise UserError(f"the export's plan is malformed ({why}); export the model again") from None
         return PrunePlan(layers, removed or HeadSet(), str(data.get("kind", "exact")))
 
 
@@ -160,8 +162,8 @@ def plan_exact(heads: HeadSet, geometries: Sequence[HeadGeometry], valid_num_hea
         if not any(groups):
             layers.append(LayerPlan(geo, (), ()))
             continue
-        shapes = [(_cost(_slots_needed(groups, g) * g, _slots_needed(groups, g)), g) for g in range(1, geo.group_size + 1)
-                  if valid_num_heads(_slots_needed(groups, g) * g)]
+        needed = {g: _slots_needed(groups, g) for g in range(1, geo.group_size + 1)}
+        shapes = [(_cost(k * g, k), g) for g, k in needed.items() if valid_num_heads(k * g)]
         if not shapes:  # no valid shape: keep the layer's shape, removed heads masked
             gone = frozenset(heads.heads(i))
             layers.append(LayerPlan(geo, tuple(range(geo.num_heads)), tuple(range(geo.num_kv_heads)), gone))
@@ -239,13 +241,13 @@ class Planner:
     """Turns head sets into the plans they ship as under one model's geometry and config. Each (head set, layout)
     is planned once and remembered: the search, the verification and the export ask the same planner."""
 
-    def __init__(self, geometries: Sequence[HeadGeometry], adapter: "ArchAdapter", config, bytes_per_value: int):
-        self.geometries, self.adapter, self.config = list(geometries), adapter, config
+    def __init__(self, geometries: Sequence[HeadGeometry], arch: "ArchAdapter", config, bytes_per_value: int):
+        self.geometries, self.arch, self.config = list(geometries), arch, config
         self.bytes_per_value = bytes_per_value
         self._choices: dict[tuple[HeadSet, str], LayoutChoice] = {}
 
     def _valid(self, num_heads: int) -> bool:
-        return self.adapter.valid_num_heads(self.config, num_heads)
+        return self.arch.valid_num_heads(self.config, num_heads)
 
     def exact(self, heads: HeadSet) -> PrunePlan:
         """The cheapest exact per-layer plan whose head counts this family's config accepts."""
@@ -283,7 +285,7 @@ class Planner:
             if uniform is None:
                 raise UserError("--layout uniform needs every layer to share one head geometry; use --layout per-layer")
             return LayoutChoice("uniform", uniform, "uniform layout requested", options)
-        per_layer_ok = exact.is_uniform or self.adapter.export_config(self.config, exact.shapes) is not None
+        per_layer_ok = exact.is_uniform or self.arch.export_config(self.config, exact.shapes) is not None
         if layout == "per-layer":
             if not per_layer_ok:
                 raise UserError(f"the {self.config.model_type} config class cannot carry per_layer_config (its "
@@ -320,6 +322,6 @@ def plan_for(lm, heads: HeadSet, layout: str) -> LayoutChoice:
 
 
 def planner_for(lm) -> Planner:
-    return Planner(lm.adapter.geometries(lm.model), lm.adapter, lm.config, torch.finfo(lm.dtype).bits // 8)
+    return Planner(lm.arch.geometries(lm.model), lm.arch, lm.config, torch.finfo(lm.dtype).bits // 8)
 
 

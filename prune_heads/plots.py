@@ -58,14 +58,30 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
     ax.fill_between(x, lo, hi, color="tab:blue", alpha=0.15, label="95% CI of paired difference")
     ax.plot(x, y, "o-", color="tab:blue", label="ablated accuracy")
     ax.axhline(base, color="gray", linestyle="--", linewidth=1, label=f"unablated {base:.1f}%")
-    ax.axhline(base - budget_points, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget_points:g} pt)")
+    ax.axhline(
+        base - budget_points, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget_points:g} pt)"
+    )
     over = [p for p in pts if not p.get("within_budget", True)]
     if over:
-        ax.plot([100 * p["fraction"] for p in over], [base + p["delta_points"] for p in over], "x", color="tab:red",
-                markersize=9, mew=2, label="over budget")
+        ax.plot(
+            [100 * p["fraction"] for p in over],
+            [base + p["delta_points"] for p in over],
+            "x",
+            color="tab:red",
+            markersize=9,
+            mew=2,
+            label="over budget",
+        )
     chosen = [p for p in pts if p.get("chosen")]
     if chosen:
-        ax.plot([100 * chosen[0]["fraction"]], [base + chosen[0]["delta_points"]], "*", color="tab:red", markersize=14, label="chosen")
+        ax.plot(
+            [100 * chosen[0]["fraction"]],
+            [base + chosen[0]["delta_points"]],
+            "*",
+            color="tab:red",
+            markersize=14,
+            label="chosen",
+        )
     ax.set_xlabel("% of heads ablated (dormant first)")
     ax.set_ylabel("MMLU 5-shot accuracy (%)")
     ax.set_title(title or "accuracy vs heads removed", fontsize=10)
@@ -108,7 +124,7 @@ def score_cdfs(means_a: dict, means_b: dict, name_a: str, name_b: str, keys: lis
         ax.set_title(key, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("per-head score distributions (empirical CDF)", fontsize=10)
@@ -132,15 +148,34 @@ def study_curves(study: dict, path: Path, title: str = "") -> Path:
             xs = [p["zeroed_percent"] for p in r["points"]]
             ys = [100 * p["accuracy"] for p in r["points"]]
             style = "-" if not r["function"].endswith("_ln") else "--"
-            ax.plot(xs, ys, style, marker="o", markersize=3, color=colors[r["function"]], linewidth=1.2,
-                    label=f"{r['function']} ({r['max_percent_within_budget']:.1f}%)")
+            ax.plot(
+                xs,
+                ys,
+                style,
+                marker="o",
+                markersize=3,
+                color=colors[r["function"]],
+                linewidth=1.2,
+                label=f"{r['function']} ({r['max_percent_within_budget']:.1f}%)",
+            )
         for r in rows:
             if r["mode"] == "random":
-                ax.plot([p["zeroed_percent"] for p in r["points"]], [100 * p["accuracy"] for p in r["points"]], ":",
-                        color="black", linewidth=1.6, label=f"random heads ({r['max_percent_within_budget']:.1f}%)")
+                ax.plot(
+                    [p["zeroed_percent"] for p in r["points"]],
+                    [100 * p["accuracy"] for p in r["points"]],
+                    ":",
+                    color="black",
+                    linewidth=1.6,
+                    label=f"random heads ({r['max_percent_within_budget']:.1f}%)",
+                )
         ax.axhline(base, color="gray", linestyle="--", linewidth=0.8)
-        ax.axhline(base - study["budget_points"], color="tab:red", linestyle=":", linewidth=1.2,
-                   label=f"budget ({study['budget_points']:g} pt)")
+        ax.axhline(
+            base - study["budget_points"],
+            color="tab:red",
+            linestyle=":",
+            linewidth=1.2,
+            label=f"budget ({study['budget_points']:g} pt)",
+        )
         ax.set_title(f"{mode} ablation", fontsize=10)
         ax.set_xlabel("% of heads zeroed (mean over inputs)")
         ax.grid(alpha=0.3)
@@ -163,7 +198,9 @@ def study_ranking(study: dict, path: Path, title: str = "") -> Path:
         vals = [rows[(f, mode)]["max_percent_within_budget"] if (f, mode) in rows else 0 for f in order]
         ax.barh(ys, vals, height=width, label=mode, color=("tab:blue", "tab:orange")[j % 2])
     if ("random", "random") in rows:
-        ax.axvline(rows[("random", "random")]["max_percent_within_budget"], color="black", linestyle=":", label="random heads")
+        ax.axvline(
+            rows[("random", "random")]["max_percent_within_budget"], color="black", linestyle=":", label="random heads"
+        )
     ax.set_yticks(range(len(order)))
     ax.set_yticklabels(order, fontsize=8)
     ax.invert_yaxis()

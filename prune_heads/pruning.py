@@ -1,7 +1,8 @@
 """PrunePlan -> smaller weights: each layer's q/k/v/o (and cross-head norms) sliced as the plan says.
 
 The plan (planning.py) decides which original head sits in each new slot; this module only moves rows and columns.
-How a family stores its projections and how its modules learn their new head counts is the adapter's business.
+How a family stores its projections and how its modules learn their new head counts is its architecture
+adapter's business.
 """
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from .models.adapters import ArchAdapter
 from .planning import LayerPlan, PrunePlan
 
 
-def sliced_projections(attn: nn.Module, adapter: ArchAdapter, lp: LayerPlan) -> dict[str, nn.Module]:
+def sliced_projections(attn: nn.Module, arch: ArchAdapter, lp: LayerPlan) -> dict[str, nn.Module]:
     """New q/k/v/o (or fused qkv) and norm modules for one layer, as the plan says."""
     d = lp.geometry.head_dim
-    q_w, q_b, k_w, k_b, v_w, v_b = adapter.qkv_weights(attn)
-    o = adapter.output_projection(attn)
+    q_w, q_b, k_w, k_b, v_w, v_b = arch.qkv_weights(attn)
+    o = arch.output_projection(attn)
     q_slots = lp.slots  # masked heads keep their q rows (only their o_proj columns are zeroed)
     new = {
         "q": (head_rows(q_w, q_slots, d), None if q_b is None else head_rows(q_b, q_slots, d)),
@@ -27,31 +28,32 @@ def sliced_projections(attn: nn.Module, adapter: ArchAdapter, lp: LayerPlan) -> 
     }
     o_index = [None if (h is None or h in lp.zero_output) else h for h in lp.slots]
     o_w = head_rows(o.weight.T, o_index, d).T.contiguous()
-    modules = adapter.build_qkv(attn, new)
+    modules = arch.build_qkv(attn, new)
     modules["o_proj"] = frozen_linear(o_w, o.bias)
-    modules.update(adapter.sliced_norms(attn, lp.slots, lp.kv_slots, d))
+    modules.update(arch.sliced_norms(attn, lp.slots, lp.kv_slots, d))
     return modules
 
 
-def apply_plan(model: nn.Module, adapter: ArchAdapter, plan: PrunePlan) -> None:
-    """Replace every layer's attention weights in place (the caller owns ``model``; pass a copy to keep the original)."""
+def apply_plan(model: nn.Module, arch: ArchAdapter, plan: PrunePlan) -> None:
+    """Replace every layer's attention weights in place (the caller owns ``model``; pass a copy to keep the
+    original)."""
     for i, lp in enumerate(plan.layers):
         if lp.is_identity:
             continue
         if not lp.slots:
-            adapter.remove_attention(model, i)
+            arch.remove_attention(model, i)
             continue
-        attn = adapter.attention(model, i)
-        for name, module in sliced_projections(attn, adapter, lp).items():
+        attn = arch.attention(model, i)
+        for name, module in sliced_projections(attn, arch, lp).items():
             setattr(attn, name, module)
-        adapter.set_head_counts(attn, lp.num_heads, lp.num_kv_heads)
+        arch.set_head_counts(attn, lp.num_heads, lp.num_kv_heads)
 
 
-def pruned_copy(model: nn.Module, adapter: ArchAdapter, plan: PrunePlan) -> nn.Module:
+def pruned_copy(model: nn.Module, arch: ArchAdapter, plan: PrunePlan) -> nn.Module:
     """A deep copy of ``model`` with the plan applied (the original is left untouched). The copy is a plain model:
     a GGUF source was dequantised on load, so its quantizer flags (which forbid casting and training) are dropped."""
     new = copy.deepcopy(model)
-    apply_plan(new, adapter, plan)
+    apply_plan(new, arch, plan)
     new.hf_quantizer = None
     for attr in ("is_quantized", "quantization_method"):
         new.__dict__.pop(attr, None)

@@ -13,8 +13,25 @@ import yaml
 
 from .errors import UserError
 
-KEYS = {"name", "match", "scorer", "budget", "metric", "task", "task_limit", "kl_text_size", "dtype", "calibration_size",
-        "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size", "search", "study", "heal"}
+KEYS = {
+    "name",
+    "match",
+    "scorer",
+    "budget",
+    "metric",
+    "task",
+    "task_limit",
+    "kl_text_size",
+    "dtype",
+    "calibration_size",
+    "max_length",
+    "mmlu_per_subject",
+    "mmlu_subjects",
+    "batch_size",
+    "search",
+    "study",
+    "heal",
+}
 PER_DEVICE_KEYS = ("mmlu_per_subject", "mmlu_subjects", "task_limit", "batch_size")
 
 

@@ -92,8 +92,8 @@ def scores_payload(table, calibration: str) -> dict:
 
 
 def architecture_summary(lm) -> dict:
-    geos = lm.adapter.geometries(lm.model)
-    return {"model_type": lm.config.model_type, "adapter": lm.adapter.name, "layers": len(geos),
+    geos = lm.arch.geometries(lm.model)
+    return {"model_type": lm.config.model_type, "adapter": lm.arch.name, "layers": len(geos),
             "heads_per_layer": [g.num_heads for g in geos], "kv_heads_per_layer": [g.num_kv_heads for g in geos],
             "head_dim": geos[0].head_dim}
 

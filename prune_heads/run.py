@@ -68,14 +68,14 @@ def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory, encode
     base = load(settings, inputs)
     # With --adapter, everything is scored and verified on the user's actual model (base with the adapter merged);
     # the base is pruned and the adapter sliced to fit it.
-    lm = with_adapter_merged(base, settings.adapter) if settings.adapter else base
+    lm = with_adapter_merged(base, settings.lora_adapter) if settings.lora_adapter else base
     work = Work(lm, staged, settings.batch_size, settings.progress)
     enc = encode_task(lm, inputs.questions) if encode else None
     return Run(settings, inputs, base, lm, work, planner_for(lm), enc, staged)
 
 
 def describe(run: Run) -> str:
-    geos = run.lm.adapter.geometries(run.lm.model)
+    geos = run.lm.arch.geometries(run.lm.model)
     s = run.settings
     return (f"{run.lm.source.spec}: {run.lm.config.model_type}, {len(geos)} layers x {geos[0].num_heads} heads "
             f"({geos[0].num_kv_heads} KV), {run.lm.dtype} on {run.lm.device}; recipe {s.recipe.name}; "
@@ -110,7 +110,7 @@ def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
     source = copy.copy(lm.source)
     source.fingerprint = f"{lm.source.fingerprint}+adapter:{sha256_file(weights)}"  # keys the cache apart
     echo(f"adapter {adapter_dir} merged for scoring and verification")
-    return LoadedModel(merged, lm.tokenizer, lm.adapter, source, lm.dtype, lm.device, {"adapter": str(adapter_dir)})
+    return LoadedModel(merged, lm.tokenizer, lm.arch, source, lm.dtype, lm.device, {"adapter": str(adapter_dir)})
 
 
 def healer(run: Run):
@@ -123,11 +123,11 @@ def healer(run: Run):
     known = {k: v for k, v in s.heal.items() if k in HealConfig.__dataclass_fields__ and k not in ("steps", "seed")}
     config = HealConfig(steps=s.heal_steps, seed=s.seed, **known)
     seqs, source = heal_sequences(run.base, s, run.inputs, config.steps, config.batch_size, config.max_length)
-    adapter = run.base.adapter
+    arch = run.base.arch
 
     def heal_pruned(model, plan):
-        healed, record = heal(model, seqs, config, s.progress, log=echo, lora_targets=adapter.lora_targets,
-                              dead_heads=dead_head_slots(model, adapter, plan))
+        healed, record = heal(model, seqs, config, s.progress, log=echo, lora_targets=arch.lora_targets,
+                              dead_heads=dead_head_slots(model, arch, plan))
         record["data"] = source
         return healed, record
 

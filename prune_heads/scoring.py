@@ -56,8 +56,8 @@ class _ScoringProbe:
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
-        self.adapter = lm.adapter
-        self.geometries = self.adapter.geometries(lm.model)
+        self.arch = lm.arch
+        self.geometries = self.arch.geometries(lm.model)
         self.token_mask: torch.Tensor | None = None  # [B, S] bool
         self.lengths: torch.Tensor | None = None  # [B]
         self._v_norm: dict[int, torch.Tensor] = {}
@@ -143,9 +143,9 @@ class _ScoringProbe:
 
     def __enter__(self) -> "_ScoringProbe":
         for layer in range(len(self.geometries)):
-            attn = self.adapter.attention(self.lm.model, layer)
-            v_module, v_slice = self.adapter.value_projection(attn)
-            o_proj = self.adapter.output_projection(attn)
+            attn = self.arch.attention(self.lm.model, layer)
+            v_module, v_slice = self.arch.value_projection(attn)
+            o_proj = self.arch.output_projection(attn)
             self._handles += [
                 v_module.register_forward_hook(self._on_value(layer, v_slice)),
                 o_proj.register_forward_pre_hook(self._on_head_outputs(layer, o_proj)),
@@ -170,7 +170,8 @@ class _ScoringProbe:
         self.lengths = lengths.to(dev)
         self.token_mask = torch.arange(input_ids.shape[1], device=dev)[None, :] < self.lengths[:, None]
         self.results = {}
-        self.lm.model(input_ids=input_ids.to(dev), attention_mask=self.token_mask.long(), use_cache=False, logits_to_keep=1)
+        self.lm.model(input_ids=input_ids.to(dev), attention_mask=self.token_mask.long(), use_cache=False,
+                      logits_to_keep=1)
         return {k: torch.stack(v, dim=1).cpu() for k, v in self.results.items()}
 
 

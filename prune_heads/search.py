@@ -148,6 +148,42 @@ class SearchResult:
         return sorted(self.points, key=lambda p: p.num_heads)
 
 
+class _Evaluated:
+    """Each prefix size evaluated once, in the order asked; coarse-grid sizes optionally prefetched together."""
+
+    def __init__(self, ranking, evaluate_heads, baseline, budget, on_point, evaluate_group):
+        self.ranking, self.evaluate_heads, self.baseline, self.budget = ranking, evaluate_heads, baseline, budget
+        self.on_point, self.evaluate_group = on_point, evaluate_group
+        self.result = SearchResult()
+        self.done: dict[int, SearchPoint] = {}
+        self.precomputed: dict[int, EvalResult] = {}
+
+    def label(self, k: int) -> str:
+        return f"{k}/{len(self.ranking)} heads off"
+
+    def prefetch(self, ks: list[int]) -> None:
+        todo = [k for k in ks if k not in self.done and k not in self.precomputed and k > 0]
+        if self.evaluate_group is None or len(todo) < 2:
+            return
+        sets = [HeadSet.from_pairs(self.ranking[:k]) for k in todo]
+        for k, res in zip(todo, self.evaluate_group(sets, [self.label(k) for k in todo])):
+            self.precomputed[k] = res
+
+    def point(self, k: int, stage: str) -> SearchPoint:
+        if k in self.done:
+            return self.done[k]
+        heads = HeadSet.from_pairs(self.ranking[:k])
+        res = (self.baseline if k == 0 else self.precomputed.pop(k, None)
+               or self.evaluate_heads(heads, self.label(k)))
+        delta, kl, agree, ok = judge(self.budget, res, self.baseline)
+        p = SearchPoint(k, k / len(self.ranking), heads, res.accuracy, delta, ok, stage, res, kl, agree)
+        self.done[k] = p
+        self.result.points.append(p)
+        if self.on_point:
+            self.on_point(p)
+        return p
+
+
 def search_budget(
     ranking: list[tuple[int, int]],
     evaluate_heads: Callable[[HeadSet, str], EvalResult],
@@ -162,39 +198,14 @@ def search_budget(
 ) -> SearchResult:
     """``evaluate_group`` with ``parallel > 1`` evaluates that many coarse-grid points in the same forward passes
     (points past the stopping rule that were evaluated anyway stay on the curve)."""
-    total = len(ranking)
-    result = SearchResult()
-    done: dict[int, SearchPoint] = {}
-    precomputed: dict[int, EvalResult] = {}
-
-    def prefetch(ks: list[int]) -> None:
-        todo = [k for k in ks if k not in done and k not in precomputed and k > 0]
-        if evaluate_group is None or len(todo) < 2:
-            return
-        sets = [HeadSet.from_pairs(ranking[:k]) for k in todo]
-        for k, res in zip(todo, evaluate_group(sets, [f"{k}/{total} heads off" for k in todo])):
-            precomputed[k] = res
-
-    def point(k: int, stage: str) -> SearchPoint:
-        if k in done:
-            return done[k]
-        heads = HeadSet.from_pairs(ranking[:k])
-        res = baseline if k == 0 else precomputed.pop(k, None) or evaluate_heads(heads, f"{k}/{total} heads off")
-        delta, kl, agree, ok = judge(budget, res, baseline)
-        p = SearchPoint(k, k / total, heads, res.accuracy, delta, ok, stage, res, kl, agree)
-        done[k] = p
-        result.points.append(p)
-        if on_point:
-            on_point(p)
-        return p
-
-    point(0, "baseline")
-    sizes = sorted({max(1, round(f * total)) for f in grid if 0 < f <= 1})
+    points = _Evaluated(ranking, evaluate_heads, baseline, budget, on_point, evaluate_group)
+    points.point(0, "baseline")
+    sizes = sorted({max(1, round(f * len(ranking))) for f in grid if 0 < f <= 1})
     best_k, fails_in_row, first_fail_above = 0, 0, None
     for i, k in enumerate(sizes):
         if parallel > 1 and i % parallel == 0:
-            prefetch(sizes[i:i + parallel])
-        if point(k, "grid").within_budget:
+            points.prefetch(sizes[i:i + parallel])
+        if points.point(k, "grid").within_budget:
             best_k, fails_in_row, first_fail_above = k, 0, None
         else:
             fails_in_row += 1
@@ -207,10 +218,10 @@ def search_budget(
         if hi is None or hi - lo <= 1:
             break
         mid = (lo + hi) // 2
-        if point(mid, "refine").within_budget:
+        if points.point(mid, "refine").within_budget:
             lo = mid
         else:
             hi = mid
-    passing = [p for p in result.points if p.within_budget]
-    result.best = max(passing, key=lambda p: p.num_heads)
+    result = points.result
+    result.best = max((p for p in result.points if p.within_budget), key=lambda p: p.num_heads)
     return result

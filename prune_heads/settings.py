@@ -52,7 +52,7 @@ class Settings:
     max_shard_size: str = "2GB"
     export: bool = True
     resume: bool = False
-    adapter: str | None = None  # peft LoRA adapter: score and verify base+adapter, prune the base, slice the adapter
+    lora_adapter: str | None = None  # --adapter (peft LoRA): verify base+adapter, prune the base, slice the adapter
     heal_steps: int = 0  # LoRA healing steps after pruning (0: none)
     heal_data: str | None = None  # healing text (default: --calibration, else held-out questions of the task)
     heal_in_search: bool = False  # judge every search point by its healed accuracy (costs a healing run per point)
@@ -129,14 +129,15 @@ def _refuse_conflicts(values: dict) -> None:
          "--heal-in-search judges points by the healed model's answers; use --metric accuracy or kl with it"),
         (v("heal_in_search") and not v("heal_steps"),
          "--heal-in-search judges each point after healing; give the number of steps with --heal-steps N"),
-        (v("heal_steps") and v("adapter"),
+        (v("heal_steps") and v("lora_adapter"),
          "--heal-steps and --adapter do not combine: healing would change the base the adapter was trained on; heal "
          "without --adapter, or slice the adapter without healing"),
         (v("heal_steps") and v("layout") == "masked",
          "--heal-steps needs a physical layout (--layout auto, uniform or per-layer): a masked export keeps the "
          "removed heads' weights, which healing would train"),
         (v("heal_steps") and v("export") is False, "--heal-steps heals the exported model; drop --no-export"),
-        (v("adapter") and v("export") is False, "--adapter slices the adapter to fit the export; drop --no-export"),
+        (v("lora_adapter") and v("export") is False,
+         "--adapter slices the adapter to fit the export; drop --no-export"),
     ]
     for conflict, message in conflicts:
         if conflict:

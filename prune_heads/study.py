@@ -102,8 +102,17 @@ class Curve:
 
 
 def _point(function, mode, percent, threshold, zeroed, result: EvalResult, baseline: EvalResult) -> StudyPoint:
-    return StudyPoint(function, mode, percent, threshold, zeroed, result.accuracy, paired_delta(result, baseline).to_json(),
-                      float(answer_kl(result, baseline).mean()), agreement(result, baseline))
+    return StudyPoint(
+        function,
+        mode,
+        percent,
+        threshold,
+        zeroed,
+        result.accuracy,
+        paired_delta(result, baseline).to_json(),
+        float(answer_kl(result, baseline).mean()),
+        agreement(result, baseline),
+    )
 
 
 def check_study_args(functions: list[str], percents, modes) -> None:
@@ -118,8 +127,8 @@ def check_study_args(functions: list[str], percents, modes) -> None:
         raise UserError(f"--percents must lie between 0 and 100, got {', '.join(f'{p:g}' for p in percents)}")
 
 
-def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, baseline: EvalResult, functions: list[str],
-              percents, modes, budget_points: float, seed: int = 0, on_point=None) -> dict:
+def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, baseline: EvalResult,
+              functions: list[str], percents, modes, budget_points: float, seed: int = 0, on_point=None) -> dict:
     """``eval_scores``: per-input scores on the evaluation inputs, in question order (dynamic thresholds and masks);
     ``calib_scores``: the calibration set (static selections). ``evaluate(mask, label)`` takes a [L, H] mask (one
     head set for every input) or a [N, L, H] mask (one per input) and returns an EvalResult."""
@@ -171,15 +180,27 @@ def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, basel
     return summarise(curves, baseline.accuracy, budget_points, num_inputs)
 
 
-def summarise(curves: dict[tuple[str, str], Curve], baseline_accuracy: float, budget_points: float, inputs: int) -> dict:
+def summarise(
+    curves: dict[tuple[str, str], Curve], baseline_accuracy: float, budget_points: float, inputs: int
+) -> dict:
     target = 100 * baseline_accuracy - budget_points
-    summary: dict = {"baseline_accuracy": round(baseline_accuracy, 6), "budget_points": budget_points, "inputs": inputs,
-                     "curves": [], "ranking": {}}
+    summary: dict = {
+        "baseline_accuracy": round(baseline_accuracy, 6),
+        "budget_points": budget_points,
+        "inputs": inputs,
+        "curves": [],
+        "ranking": {},
+    }
     by_mode: dict[str, list[dict]] = {}
     for (function, mode), curve in curves.items():
         xs, ys = curve.xy()
-        row = {"function": function, "mode": mode, "max_percent_within_budget": round(max_within(xs, ys, target), 4),
-               "auc": round(normalised_auc(xs, ys), 4), "points": [p.to_json() for p in sorted(curve.points, key=lambda p: p.zeroed)]}
+        row = {
+            "function": function,
+            "mode": mode,
+            "max_percent_within_budget": round(max_within(xs, ys, target), 4),
+            "auc": round(normalised_auc(xs, ys), 4),
+            "points": [p.to_json() for p in sorted(curve.points, key=lambda p: p.zeroed)],
+        }
         summary["curves"].append(row)
         by_mode.setdefault(mode, []).append(row)
     for mode, rows in by_mode.items():
@@ -195,12 +216,18 @@ def markdown(study: dict, model: str, task: str) -> str:
     """The paper's table: function x {max % within budget, AUC, rank}, one block of columns per mode."""
     modes = [m for m in MODES if m in study["ranking"] and m != "random"]
     rows = {(r["function"], r["mode"]): r for r in study["curves"]}
-    functions = sorted({r["function"] for r in study["curves"] if r["mode"] != "random"},
-                       key=lambda f: rows.get((f, modes[0]), {}).get("rank", 0) if modes else 0)
-    lines = [f"# Score functions on {model}", "",
-             f"{task}, {study['inputs']} questions; unablated accuracy {100 * study['baseline_accuracy']:.2f}%; budget "
-             f"{study['budget_points']:g} pt. *max %*: the largest % of heads zeroed within the budget (linear "
-             "interpolation along the curve); *AUC*: mean accuracy (%) over the zeroed range.", ""]
+    functions = sorted(
+        {r["function"] for r in study["curves"] if r["mode"] != "random"},
+        key=lambda f: rows.get((f, modes[0]), {}).get("rank", 0) if modes else 0,
+    )
+    lines = [
+        f"# Score functions on {model}",
+        "",
+        f"{task}, {study['inputs']} questions; unablated accuracy {100 * study['baseline_accuracy']:.2f}%; budget "
+        f"{study['budget_points']:g} pt. *max %*: the largest % of heads zeroed within the budget (linear "
+        "interpolation along the curve); *AUC*: mean accuracy (%) over the zeroed range.",
+        "",
+    ]
     head = "| function |" + "".join(f" {m} max % | {m} AUC | {m} rank |" for m in modes)
     lines += [head, "|---|" + "---|---|---|" * len(modes)]
     for f in functions:
@@ -211,8 +238,10 @@ def markdown(study: dict, model: str, task: str) -> str:
         lines.append(f"| `{f}` |{cells}")
     if ("random", "random") in rows:
         r = rows[("random", "random")]
-        lines += ["", f"Random heads (baseline): max % within budget {r['max_percent_within_budget']:.2f}, "
-                      f"AUC {r['auc']:.2f}."]
+        lines += [
+            "",
+            f"Random heads (baseline): max % within budget {r['max_percent_within_budget']:.2f}, AUC {r['auc']:.2f}.",
+        ]
     for m, best in study["best"].items():
         lines.append(f"\nBest function ({m}): `{best}`.")
     return "\n".join(lines) + "\n"
@@ -222,8 +251,11 @@ def read_study(path: str | Path) -> dict:
     """study.json, given as the file or a study output directory."""
     p = Path(path)
     p = p / "study.json" if p.is_dir() else p
-    study = read_json(p, f"{path} is not a study (no study.json); run prune-heads study --out DIR first",
-                      f"{p} is not valid JSON; run the study again")
+    study = read_json(
+        p,
+        f"{path} is not a study (no study.json); run prune-heads study --out DIR first",
+        f"{p} is not valid JSON; run the study again",
+    )
     if "ranking" not in study:
         raise UserError(f"{p} has no function ranking; it was not written by prune-heads study")
     return study

@@ -40,7 +40,7 @@ class Verifier:
 
     def target(self, heads: HeadSet, layout: str | None = None):
         """What the ablation must zero to compute exactly what the export will ship."""
-        if self.lm.adapter.qk_norm != "across_heads" or not heads:
+        if self.lm.arch.qk_norm != "across_heads" or not heads:
             return heads
         return self.planner.choose(heads, layout or self.layout).plan
 
@@ -67,7 +67,7 @@ class Verifier:
 
     def evaluate_group(self, sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
         """Several head sets in the same forward passes where that gives the same numbers, else one at a time."""
-        if self.heal_in_search or self.blocks or self.lm.adapter.qk_norm == "across_heads":
+        if self.heal_in_search or self.blocks or self.lm.arch.qk_norm == "across_heads":
             return [self.evaluate(hs, lab) for hs, lab in zip(sets, labels)]
         results = self.work.evaluate_group(self.enc, sets, labels)
         return [self.with_text_kl(r, hs) for r, hs in zip(results, sets)]
@@ -78,8 +78,8 @@ class Verifier:
 
         def build() -> LoadedModel:
             self.log(f"  healing the pruned model for {label}")
-            healed, _ = self.heal(pruned_copy(lm.model, lm.adapter, plan), plan)
-            return LoadedModel(healed, lm.tokenizer, lm.adapter, lm.source, lm.dtype, lm.device)
+            healed, _ = self.heal(pruned_copy(lm.model, lm.arch, plan), plan)
+            return LoadedModel(healed, lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
 
         key = {**self.work.model_key, "model": "healed:" + digest({"plan": plan.to_json(), **self.heal_key})}
         return self.work.evaluate_built(self.enc, build, key, f"{label}, healed")

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporters.adapter import check_sliced, load_sliced, slice_adapter
 from exporters.export import ExportCheck, ExportResult, export_pruned
+from exporters.lora import check_sliced, load_sliced, slice_adapter
 from prune_heads import plots
 from prune_heads.data.tasks import task_format
 from prune_heads.evaluation import EvalResult, agreement, answer_kl, encode, paired_delta
@@ -25,7 +25,6 @@ from prune_heads.selection import Selection, gqa_costs, select_heads
 from prune_heads.settings import Settings
 from prune_heads.verifier import Verifier
 from prune_heads.work import Work
-
 
 # -- prune-heads (the main job) -----------------------------------------------------------------------------------
 
@@ -95,7 +94,7 @@ def _export(run: Run, verifier: Verifier, selection: Selection, report: dict) ->
     s = run.settings
     info = {"scorer": s.scorer, "budget": s.budget.text, "warnings": report["warnings"],
             "budget_definition": report["budget"]["definition"], "task": s.task}
-    if s.adapter:
+    if s.lora_adapter:
         result = export_pruned(run.base, selection.heads, run.stage, s.layout, s.max_shard_size, info=info,
                                progress=s.progress, log=echo, planner=run.planner)
         report["adapter"] = _export_sliced_adapter(run, verifier, result.choice.plan, selection.result)
@@ -128,10 +127,10 @@ def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResu
     from prune_heads.cache import digest
 
     merged = run.lm
-    out = slice_adapter(run.settings.adapter, run.stage, run.stage / "adapter", log=echo)
+    out = slice_adapter(run.settings.lora_adapter, run.stage, run.stage / "adapter", log=echo)
     model = load_sliced(merged, run.stage, out)
     check = check_sliced(merged, model, plan, run.enc)
-    reloaded = LoadedModel(model, merged.tokenizer, merged.adapter, merged.source, merged.dtype, merged.device)
+    reloaded = LoadedModel(model, merged.tokenizer, merged.arch, merged.source, merged.dtype, merged.device)
     result = run.work.evaluate(run.enc, None, "pruned base + sliced adapter", lm=reloaded,
                                model_key={**run.work.model_key, "model": f"sliced-adapter:{digest(plan.to_json())}"})
     echo(f"pruned base + sliced adapter: max |logit diff| {check['max_abs_logit_diff']:.3g}, "
@@ -147,10 +146,11 @@ def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResu
 
 def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, force: bool,
                with_task: bool = True) -> ExportResult:
-    """``prune-heads export``: a given head set, no search. Verifies logits, and the task unless ``with_task`` is off."""
+    """``prune-heads export``: a given head set, no search. Verifies logits, and the task unless ``with_task`` is
+    off."""
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths) as staged:
         run = open_run(settings, inputs, staged, encode=with_task)
-        geometries = run.lm.adapter.geometries(run.lm.model)
+        geometries = run.lm.arch.geometries(run.lm.model)
         heads.validate(len(geometries), [g.num_heads for g in geometries])
         check, warnings = None, []
         if with_task:

@@ -53,7 +53,8 @@ def common_options(f):
                      "complete). An --out holding an input is refused even so."),
         click.option("--resume", is_flag=True, default=None, help="Continue from the results cached in --out, a run "
                      "of ours (an interrupted run resumes on its own when rerun with the same --out)."),
-        click.option("--recipe", help="Recipe name (recipes/*.yaml) or YAML file; default: the one matching the model."),
+        click.option("--recipe", help="Recipe name (recipes/*.yaml) or YAML file; default: the one matching the "
+                     "model."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                      help="Weights and compute dtype."),
         click.option("--device", help="auto, cpu, cuda or cuda:N."),
@@ -185,7 +186,7 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa,
     if private and not push_to:
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
     settings, inputs = prepare(kw, budget=budget, metric=metric, scorer=scorer, layout=layout,
-                               max_shard_size=max_shard_size, gqa=gqa, export=not no_export, adapter=adapter,
+                               max_shard_size=max_shard_size, gqa=gqa, export=not no_export, lora_adapter=adapter,
                                heal_steps=heal_steps, heal_data=heal_data, heal_in_search=heal_in_search)
     run_prune(settings, inputs, kw["out"], kw["force"])
     if push_to:
@@ -306,8 +307,8 @@ def study(budget, functions, percents, modes, **kw):
 def adapt(adapter_dir, pruned, out, force):
     """Slice a LoRA adapter trained on the unpruned base so it fits a pruned export (PeftModel.from_pretrained
     loads it)."""
-    from exporters.adapter import read_adapter_config, slice_adapter
     from exporters.export import read_manifest
+    from exporters.lora import read_adapter_config, slice_adapter
     from prune_heads.fileio import StagedDirectory
 
     read_adapter_config(adapter_dir)

@@ -2,10 +2,10 @@ import copy
 
 import pytest
 import torch
+from tiny import FAMILIES, tiny_model
 
 from prune_heads.ablation import ablate
 from prune_heads.heads import HeadSet
-from tiny import FAMILIES, tiny_model
 
 IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61]])
 

@@ -2,11 +2,11 @@ import json
 
 import pytest
 import torch
-
-from prune_heads_cli.main import main
-from prune_heads.compare import ks_distance, selected, spearman, wasserstein_distance
 from test_mmlu import _cais_file
 from tiny import tiny_model
+
+from prune_heads.compare import ks_distance, selected, spearman, wasserstein_distance
+from prune_heads_cli.main import main
 
 
 def test_distances_by_hand():

@@ -4,17 +4,18 @@ import json
 
 import pytest
 import torch
+from tiny import FAMILIES, tiny_model
 
 from exporters.export import MANIFEST, export_pruned, read_manifest
-from prune_heads.planning import Planner
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
 from prune_heads.planning import Planner, balanced_selection, plan_exact, plan_masked, plan_uniform
 from prune_heads.pruning import pruned_copy
-from tiny import FAMILIES, tiny_model
 
-IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
+IDS = torch.tensor(
+    [[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+)
 # Layer 0: uneven groups (one head gone from group 0, two from group 1); layer 1: nothing removed;
 # layer 2: every head of KV group 0; layer 3: every head of the layer.
 UNEVEN = HeadSet.of({0: [0, 3, 4], 2: [0, 1, 2], 3: [0, 1, 2, 3, 4, 5]})
@@ -31,17 +32,19 @@ def expected_param_drop(lm, plan) -> int:
     drop = 0
     hidden = lm.config.hidden_size
     for i, lp in enumerate(plan.layers):
-        attn = lm.adapter.attention(lm.model, i)
+        attn = lm.arch.attention(lm.model, i)
         d = lp.geometry.head_dim
-        q_w, q_b, k_w, k_b, v_w, v_b = lm.adapter.qkv_weights(attn)
+        q_w, q_b, k_w, k_b, v_w, v_b = lm.arch.qkv_weights(attn)
         dq = (lp.geometry.num_heads - lp.num_heads) * d
         dkv = (lp.geometry.num_kv_heads - lp.num_kv_heads) * d
         drop += dq * hidden * 2 + dkv * hidden * 2
         drop += (dq if q_b is not None else 0) + (2 * dkv if k_b is not None else 0)
-        if lm.adapter.qk_norm == "across_heads":
+        if lm.arch.qk_norm == "across_heads":
             drop += dq + dkv
         if not lp.slots:
-            drop += sum(p.numel() for n, p in attn.named_parameters() if "norm" in n and lm.adapter.qk_norm == "per_head")
+            drop += sum(
+                p.numel() for n, p in attn.named_parameters() if "norm" in n and lm.arch.qk_norm == "per_head"
+            )
     return drop
 
 
@@ -49,12 +52,12 @@ def expected_param_drop(lm, plan) -> int:
 @pytest.mark.parametrize("heads", [UNEVEN, EVEN], ids=["uneven", "even"])
 def test_pruned_logits_equal_masked_model_and_parameters_drop_exactly(family, heads):
     lm = tiny_model(family)
-    layouts = lm.adapter.geometries(lm.model)
+    layouts = lm.arch.geometries(lm.model)
     for make in (plan_exact, plan_uniform, plan_masked):
         plan = make(heads, layouts)
         with ablate(lm, plan):
             reference = logits(lm.model)
-        pruned = pruned_copy(lm.model, lm.adapter, plan)
+        pruned = pruned_copy(lm.model, lm.arch, plan)
         assert torch.allclose(logits(pruned), reference, atol=1e-5), (family, plan.kind)
         before = sum(p.numel() for p in lm.model.parameters())
         after = sum(p.numel() for p in pruned.parameters())
@@ -64,14 +67,14 @@ def test_pruned_logits_equal_masked_model_and_parameters_drop_exactly(family, he
 
 def test_exact_plan_copies_kv_heads_to_equalise_uneven_groups():
     lm = tiny_model("llama")
-    plan = plan_exact(UNEVEN, lm.adapter.geometries(lm.model))
+    plan = plan_exact(UNEVEN, lm.arch.geometries(lm.model))
     # layer 0 keeps heads 1, 2 of group 0 and 5 of group 1. Group size 1 (KV head 0 copied: 3 q + 3 KV) and group
     # size 2 (one zero dummy: 4 q + 2 KV) cost the same parameters; the smaller KV cache wins.
     assert plan.layers[0].slots == (1, 2, 5, None) and plan.layers[0].kv_slots == (0, 1)
     assert plan.layers[1].is_identity
     assert plan.layers[2].slots == (3, 4, 5) and plan.layers[2].kv_slots == (1,)
     assert plan.layers[3].slots == () and plan.layers[3].kv_slots == ()
-    uniform = plan_uniform(UNEVEN, lm.adapter.geometries(lm.model))
+    uniform = plan_uniform(UNEVEN, lm.arch.geometries(lm.model))
     assert uniform.is_uniform and uniform.shapes == [(6, 2)] * 4  # layer 1 keeps everything
 
 
@@ -87,8 +90,8 @@ def test_exact_plan_copies_a_kv_head_when_that_is_cheapest():
 def test_olmo2_verification_ablation_includes_the_norm_change():
     """OLMo-2's q/k norms span all heads: plain head ablation is not what the pruned model computes; the plan's is."""
     lm = tiny_model("olmo2")
-    plan = plan_exact(UNEVEN, lm.adapter.geometries(lm.model))
-    pruned = logits(pruned_copy(lm.model, lm.adapter, plan))
+    plan = plan_exact(UNEVEN, lm.arch.geometries(lm.model))
+    pruned = logits(pruned_copy(lm.model, lm.arch, plan))
     with ablate(lm, UNEVEN):
         plain = logits(lm.model)
     with ablate(lm, plan):
@@ -99,7 +102,7 @@ def test_olmo2_verification_ablation_includes_the_norm_change():
 
 def test_balanced_selection_removes_the_same_number_per_group():
     lm = tiny_model("llama")
-    layouts = lm.adapter.geometries(lm.model)
+    layouts = lm.arch.geometries(lm.model)
     scores = torch.arange(24, dtype=torch.float32).view(4, 6)
     sel = balanced_selection(UNEVEN, layouts, scores, dormant_low=True)
     for i, lay in enumerate(layouts):
@@ -110,10 +113,14 @@ def test_balanced_selection_removes_the_same_number_per_group():
 
 
 EXPRESSIBLE = {  # which layouts each family's config can express for the uneven selection
-    "llama": ("uniform", "per-layer", "masked"), "mistral": ("uniform", "per-layer", "masked"),
-    "qwen2": ("uniform", "per-layer", "masked"), "qwen3": ("uniform", "per-layer", "masked"),
-    "olmo2": ("uniform", "per-layer", "masked"), "gemma2": ("uniform", "masked"),
-    "gemma3_text": ("uniform", "masked"), "phi3": ("uniform", "masked"),
+    "llama": ("uniform", "per-layer", "masked"),
+    "mistral": ("uniform", "per-layer", "masked"),
+    "qwen2": ("uniform", "per-layer", "masked"),
+    "qwen3": ("uniform", "per-layer", "masked"),
+    "olmo2": ("uniform", "per-layer", "masked"),
+    "gemma2": ("uniform", "masked"),
+    "gemma3_text": ("uniform", "masked"),
+    "phi3": ("uniform", "masked"),
 }
 
 
@@ -148,7 +155,11 @@ def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path)
         meta = read_manifest(out)
         assert meta["removed_heads"] == UNEVEN.to_json() and meta["layout"] == result.choice.layout
         card = (out / "README.md").read_text()
-        assert card.startswith("---\nbase_model:") and "attention-head-pruning" in card and "library_name: transformers" in card
+        assert (
+            card.startswith("---\nbase_model:")
+            and "attention-head-pruning" in card
+            and "library_name: transformers" in card
+        )
 
 
 def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_mistral(tmp_path):
@@ -159,7 +170,12 @@ def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_
     result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
     assert result.choice.layout == "uniform" and result.choice.plan.shapes == [(4, 2)] * 4
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["model_type"] == "mistral" and cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["architectures"] == ["MistralForCausalLM"]
+    assert (
+        cfg["model_type"] == "mistral"
+        and cfg["num_attention_heads"] == 4
+        and cfg["num_key_value_heads"] == 2
+        and cfg["architectures"] == ["MistralForCausalLM"]
+    )
     assert cfg["sliding_window"] is None and cfg["head_dim"] == 16
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(reloaded).__name__ == "MistralForCausalLM"
@@ -181,13 +197,17 @@ def test_sharded_export_has_an_index_and_loads(tmp_path):
 
 def test_auto_layout_picks_uniform_only_when_nothing_is_left_on_the_table():
     lm = tiny_model("qwen2")
-    layouts = lm.adapter.geometries(lm.model)
-    even = Planner(layouts, lm.adapter, lm.config, 4).choose(EVEN, "auto")
+    layouts = lm.arch.geometries(lm.model)
+    even = Planner(layouts, lm.arch, lm.config, 4).choose(EVEN, "auto")
     assert even.layout == "uniform" and "stock config" in even.reason
-    uneven = Planner(layouts, lm.adapter, lm.config, 4).choose(UNEVEN, "auto")
+    uneven = Planner(layouts, lm.arch, lm.config, 4).choose(UNEVEN, "auto")
     assert uneven.layout == "per-layer" and "different head counts" in uneven.reason
     opts = uneven.options
-    assert opts["per-layer"]["attention_params"] < opts["uniform"]["attention_params"] <= opts["masked"]["attention_params"]
+    assert (
+        opts["per-layer"]["attention_params"]
+        < opts["uniform"]["attention_params"]
+        <= opts["masked"]["attention_params"]
+    )
     assert opts["per-layer"]["kv_cache_bytes_per_token"] == 4 * 2 * 16 * (2 + 2 + 1 + 0)
 
 
@@ -263,4 +283,5 @@ def test_float32_comparison_catches_a_one_percent_error_in_one_head_and_falls_ba
     monkeypatch.setattr(ex, "available_bytes", lambda device: 1 << 10)  # 1 KiB free: no room for float32 copies
     check = ex.compare_models(lm.model, right, IDS, torch.bfloat16, "a copy")
     assert check["compared_in"] == "bfloat16" and check["tolerance"] == pytest.approx(
-        ex.LOGIT_RTOL[torch.bfloat16] * max(1.0, float(logits(lm.model).float().abs().max())), rel=1e-3)
+        ex.LOGIT_RTOL[torch.bfloat16] * max(1.0, float(logits(lm.model).float().abs().max())), rel=1e-3
+    )

@@ -2,13 +2,13 @@ import json
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from prune_heads.data.mmlu import build_prompt, load_mmlu
 from prune_heads.data.tasks import Question, Subject
 from prune_heads.errors import UserError
 from prune_heads.evaluation import encode_task, evaluate, evaluate_reference, paired_delta
 from prune_heads.heads import HeadSet
-from tiny import tiny_model
 
 
 def q(i, text, choices, gold, subject="college physics"):
@@ -40,8 +40,14 @@ def _cais_file(tmp_path, n_subjects=2, per_subject=8, bad=True):
     rows = []
     for s in range(n_subjects):
         for i in range(per_subject):
-            rows.append({"question": f"Which answer is right for item {i} of set {s}? The quick brown fox.",
-                         "subject": f"subject_{s}", "choices": ["Femur", "Humerus", "Tibia", "Fibula"], "answer": (i + s) % 4})
+            rows.append(
+                {
+                    "question": f"Which answer is right for item {i} of set {s}? The quick brown fox.",
+                    "subject": f"subject_{s}",
+                    "choices": ["Femur", "Humerus", "Tibia", "Fibula"],
+                    "answer": (i + s) % 4,
+                }
+            )
     if bad:
         rows.insert(3, {"question": "broken", "subject": "subject_0", "choices": ["a", "b", "c", "d"], "answer": 7})
         rows.insert(4, {"question": "no choices", "subject": "subject_0", "answer": 1})

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from tiny import FAMILIES, tiny_model
 
 from prune_heads import attention_stats
 from prune_heads.heads import BASE_KEYS, SCORE_KEYS
 from prune_heads.scoring import eager_attention, score_heads
-from tiny import FAMILIES, tiny_model
 
 
 def _values(lm, ids):

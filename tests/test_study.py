@@ -4,14 +4,14 @@ import json
 
 import pytest
 import torch
+from test_mmlu import _cais_file
+from tiny import run_cli, save_tiny
 
 from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
 from prune_heads.evaluation import EvalResult
 from prune_heads.heads import ScoreTable
 from prune_heads.study import max_within, normalised_auc, run_study, thresholds
-from test_mmlu import _cais_file
-from tiny import run_cli, save_tiny
 
 
 @pytest.mark.parametrize("direction", ["low", "high"])
@@ -171,9 +171,27 @@ def test_study_on_another_task(model_dir, tmp_path, capsys):
     from test_tasks import write_rows
 
     out = tmp_path / "piqa-study"
-    code, _, err = run_cli(["study", "--model", model_dir, "--task", "piqa", "--task-data", write_rows(tmp_path, "piqa"),
-                            "--functions", "ahon_ln,awft", "--percents", "0,25,50", "--modes", "dynamic,random",
-                            "--out", out, "--no-progress"], capsys)
+    code, _, err = run_cli(
+        [
+            "study",
+            "--model",
+            model_dir,
+            "--task",
+            "piqa",
+            "--task-data",
+            write_rows(tmp_path, "piqa"),
+            "--functions",
+            "ahon_ln,awft",
+            "--percents",
+            "0,25,50",
+            "--modes",
+            "dynamic,random",
+            "--out",
+            out,
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code == 0, err
     study = json.loads((out / "study.json").read_text())
     assert study["task"] == "piqa" and study["inputs"] == 2 and set(study["ranking"]) == {"dynamic", "random"}

@@ -10,7 +10,9 @@ from ..errors import UserError
 def load_calibration(path: str | Path, limit: int | None = None) -> list[str]:
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"calibration file {path} does not exist; pass a .jsonl file with a 'text' field or a text file")
+        raise UserError(
+            f"calibration file {path} does not exist; pass a .jsonl file with a 'text' field or a text file"
+        )
     lines = [ln for ln in path.read_text(encoding="utf-8", errors="strict").splitlines() if ln.strip()]
     if not lines:
         raise UserError(f"calibration file {path} is empty; it needs at least one non-empty line of text")
@@ -21,9 +23,14 @@ def load_calibration(path: str | Path, limit: int | None = None) -> list[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                raise UserError(f"calibration file {path}, line {n}, is not valid JSON; fix it or use a plain text file") from None
+                raise UserError(
+                    f"calibration file {path}, line {n}, is not valid JSON; fix it or use a plain text file"
+                ) from None
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise UserError(f"calibration file {path}, line {n}, has no string 'text' field; each line needs {{\"text\": \"...\"}}")
+                raise UserError(
+                    f"calibration file {path}, line {n}, has no string 'text' field; each line needs "
+                    '{"text": "..."}'
+                )
             if row["text"].strip():
                 texts.append(row["text"])
     else:

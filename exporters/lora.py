@@ -24,7 +24,7 @@ from prune_heads.verify import compare_models, sample_prompts
 from .export import read_manifest
 
 
-def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, adapter: ArchAdapter) -> torch.Tensor:
+def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, arch: ArchAdapter) -> torch.Tensor:
     """One LoRA tensor of a projection whose rows (or, for "o", columns) are indexed by heads of ``kind``."""
     d = lp.geometry.head_dim
     is_a = ".lora_A." in name or name.endswith("lora_A.weight")
@@ -44,7 +44,7 @@ def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, adapter: A
                         "query heads, whose DoRA norm would be 0 / 0 (NaN); export with --layout masked, or use a LoRA "
                         "adapter without DoRA on q_proj")
     if kind == "qkv":  # fused [q | k | v] rows (Phi-3)
-        q, k, v = adapter.split_qkv_rows(tensor, lp.geometry)
+        q, k, v = arch.split_qkv_rows(tensor, lp.geometry)
         return torch.cat([head_rows(q, lp.slots, d), head_rows(k, lp.kv_slots, d),
                           head_rows(v, lp.kv_slots, d)]).contiguous()
     return head_rows(tensor, lp.slots if kind == "q" else lp.kv_slots, d).contiguous()
@@ -54,7 +54,9 @@ def read_adapter_config(adapter_dir: Path) -> dict:
     """The adapter_config.json of a peft LoRA adapter directory, or a UserError saying what it is not."""
     cfg_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     if not cfg_path.is_file() or not weights_path.is_file():
-        raise UserError(f"{adapter_dir} is not a peft adapter (needs adapter_config.json and adapter_model.safetensors)")
+        raise UserError(
+            f"{adapter_dir} is not a peft adapter (needs adapter_config.json and adapter_model.safetensors)"
+        )
     config = read_json(cfg_path, f"{cfg_path} is missing", f"{cfg_path} is not valid JSON; fix or re-save the adapter")
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         kind = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
@@ -69,10 +71,13 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     meta = read_manifest(pruned_dir)
     plan = PrunePlan.from_json(meta.get("plan") or {})
     weights_path = adapter_dir / "adapter_model.safetensors"
-    model_type = read_json(pruned_dir / "config.json", f"{pruned_dir} has no config.json; export it again",
-                           f"{pruned_dir}/config.json is corrupt; export it again").get("model_type")
-    adapter = adapter_for(model_type)
-    pattern = adapter.attention_key()
+    model_type = read_json(
+        pruned_dir / "config.json",
+        f"{pruned_dir} has no config.json; export it again",
+        f"{pruned_dir}/config.json is corrupt; export it again",
+    ).get("model_type")
+    arch = adapter_for(model_type)
+    pattern = arch.attention_key()
     state = load_file(str(weights_path))
     sliced = {}
     for name, tensor in state.items():
@@ -83,7 +88,7 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
         lp = plan.layers[int(m.group(1))]
         if not lp.slots:
             continue  # the layer's attention was removed entirely
-        sliced[name] = _slice(name, adapter.projections[m.group(2)], tensor, lp, adapter)
+        sliced[name] = _slice(name, arch.projections[m.group(2)], tensor, lp, arch)
     config["base_model_name_or_path"] = str(pruned_dir.resolve())
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "adapter_model.safetensors", lambda tmp: save_file(sliced, tmp, metadata={"format": "pt"}))
@@ -106,5 +111,6 @@ def load_sliced(merged, pruned_dir: Path, adapter_out: Path):
 def check_sliced(merged, model, plan: PrunePlan, enc) -> dict:
     """Logits of pruned base + sliced adapter against the verified model (base + adapter merged, ablated)."""
     ids = sample_prompts(merged, enc).to(merged.device)
-    return compare_models(merged.model, model, ids, merged.dtype, "pruned base + sliced adapter",
-                          lambda: ablate(merged, plan))
+    return compare_models(
+        merged.model, model, ids, merged.dtype, "pruned base + sliced adapter", lambda: ablate(merged, plan)
+    )

@@ -3,15 +3,15 @@ import copy
 
 import pytest
 import torch
-
-from exporters.adapter import slice_adapter
-from exporters.export import export_pruned
-from prune_heads.ablation import ablate
-from prune_heads_cli.main import main
-from prune_heads.models.adapters import adapter_for
-from prune_heads.models.loading import LoadedModel
 from test_export import UNEVEN, logits
 from tiny import tiny_model
+
+from exporters.export import export_pruned
+from exporters.lora import slice_adapter
+from prune_heads.ablation import ablate
+from prune_heads.models.adapters import adapter_for
+from prune_heads.models.loading import LoadedModel
+from prune_heads_cli.main import main
 
 
 def _adapter(lm, tmp_path, targets):
@@ -66,7 +66,9 @@ def test_adapt_command_and_bad_inputs(tmp_path, capsys):
     assert e.value.code == 0 and (tmp_path / "a" / "adapter_model.safetensors").is_file()
     import json
 
-    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(pruned_dir.resolve())
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        pruned_dir.resolve()
+    )
     with pytest.raises(SystemExit) as e:
         main(["adapt", str(tmp_path), "--pruned", str(pruned_dir), "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
@@ -80,9 +82,8 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     import json
 
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from test_mmlu import _cais_file
+    from transformers import AutoModelForCausalLM
 
     lm = tiny_model("qwen2")
     adapter_dir, peft_model = _adapter(lm, tmp_path, ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -91,8 +92,25 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     lm.tokenizer.save_pretrained(model_dir)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        main(["--model", str(model_dir), "--adapter", str(adapter_dir), "--mmlu", str(_cais_file(tmp_path)), "--out", str(out),
-              "--calibration-size", "4", "--no-progress", "--budget", "5pt", "--mmlu-per-subject", "all"])
+        main(
+            [
+                "--model",
+                str(model_dir),
+                "--adapter",
+                str(adapter_dir),
+                "--mmlu",
+                str(_cais_file(tmp_path)),
+                "--out",
+                str(out),
+                "--calibration-size",
+                "4",
+                "--no-progress",
+                "--budget",
+                "5pt",
+                "--mmlu-per-subject",
+                "all",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 0, err
     report = json.loads((out / "report.json").read_text())
@@ -102,13 +120,14 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     trust = (out / "modeling_pruned.py").is_file()
     base = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=trust)
     full = PeftModel.from_pretrained(base, out / "adapter")
-    merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device)
+    merged = LoadedModel(
+        peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device
+    )
     from prune_heads.heads import HeadSet
-
     from prune_heads.planning import Planner
 
     heads = HeadSet.load(out / "heads.json")
-    plan = Planner(merged.adapter.geometries(merged.model), merged.adapter, merged.config, 4).choose(heads, "auto").plan
+    plan = Planner(merged.arch.geometries(merged.model), merged.arch, merged.config, 4).choose(heads, "auto").plan
     with ablate(merged, plan):
         assert torch.allclose(logits(full), logits(merged.model), atol=1e-4)
 
@@ -122,8 +141,10 @@ def test_dora_on_queries_with_zero_padding_heads_is_refused_and_works_without_th
 
     lm = tiny_model("mistral")
     torch.manual_seed(0)
-    peft_model = get_peft_model(copy.deepcopy(lm.model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                                    use_dora=True, init_lora_weights=False))
+    peft_model = get_peft_model(
+        copy.deepcopy(lm.model),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, init_lora_weights=False),
+    )
     adapter_dir = tmp_path / "dora"
     peft_model.save_pretrained(adapter_dir)
     padded = tmp_path / "padded"
@@ -137,7 +158,7 @@ def test_dora_on_queries_with_zero_padding_heads_is_refused_and_works_without_th
     masked.mkdir()
     result = export_pruned(lm, UNEVEN, masked, layout="masked", log=lambda *a: None, progress=False)
     sliced = slice_adapter(adapter_dir, masked, tmp_path / "s2", log=lambda *a: None)
-    merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, lm.adapter, lm.source, lm.dtype, lm.device)
+    merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
     with ablate(merged, result.choice.plan):
         expected = logits(merged.model)
     got = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(masked), sliced))

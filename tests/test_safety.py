@@ -1,0 +1,84 @@
+"""Regression tests for data loss and unverified weights: nothing the user had is lost, an input is never an output,
+and a checkpoint that does not hold every weight is refused instead of filled at random."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+from tiny import run_cli, save_tiny
+
+
+def _snapshot(directory):
+    return {p.relative_to(directory): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return save_tiny(tmp_path / "model", "llama")
+
+
+@pytest.fixture
+def heads(tmp_path):
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"0": [0, 1]}))
+    return path
+
+
+def _export(model, heads, out, *extra):
+    return ["export", "--model", model, "--heads", heads, "--out", out, "--no-mmlu", "--no-progress", *extra]
+
+
+def test_resume_on_a_directory_the_user_filled_deletes_nothing(tmp_path, model_dir, heads, capsys):
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "thesis.tex").write_text("years of work")
+    (mine / "notes" / "a.txt").write_text("more")
+    before = _snapshot(mine)
+    code, _, err = run_cli(_export(model_dir, heads, mine, "--resume"), capsys)
+    assert code == 2 and "was not written by prune-heads, so there is nothing to resume" in err
+    assert _snapshot(mine) == before and len(err.strip().splitlines()) == 1
+
+
+def test_resume_continues_a_finished_run_of_ours(tmp_path, model_dir, heads, capsys):
+    out = tmp_path / "out"
+    assert run_cli(_export(model_dir, heads, out), capsys)[0] == 0
+    code, _, err = run_cli(_export(model_dir, heads, out, "--resume"), capsys)
+    assert code == 0, err
+    assert (out / "prune_heads.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["model", "parent", "inside"])
+def test_out_equal_to_containing_or_inside_the_model_is_refused_even_with_force(tmp_path, model_dir, heads, where,
+                                                                                capsys):
+    out = {"model": model_dir, "parent": tmp_path, "inside": model_dir / "pruned"}[where]
+    before = _snapshot(tmp_path)
+    code, _, err = run_cli(_export(model_dir, heads, out, "--force"), capsys)
+    assert code == 2 and "writing there would destroy it (even with --force)" in err
+    assert _snapshot(tmp_path) == before
+
+
+def test_out_equal_to_an_input_file_directory_is_refused(tmp_path, model_dir, heads, capsys):
+    calib = tmp_path / "data"
+    calib.mkdir()
+    (calib / "calib.txt").write_text("some text to score on\nand another line\n")
+    code, _, err = run_cli(["score", "--model", model_dir, "--calibration", calib / "calib.txt", "--out", calib,
+                            "--force", "--no-progress"], capsys)
+    assert code == 2 and "contains the input" in err and (calib / "calib.txt").is_file()
+
+
+@pytest.mark.parametrize("damage", ["missing", "unexpected"])
+def test_a_checkpoint_without_every_weight_is_refused_not_filled_at_random(tmp_path, heads, damage, capsys):
+    model = save_tiny(tmp_path / "broken", "llama")
+    state = load_file(model / "model.safetensors")
+    if damage == "missing":
+        del state["model.layers.1.self_attn.k_proj.weight"]
+    else:
+        state["model.layers.1.self_attn.extra.weight"] = state["model.norm.weight"].clone()
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    code, _, err = run_cli(_export(model, heads, out), capsys)
+    assert code == 2 and f"{'is missing' if damage == 'missing' else 'has unexpected'} weights" in err
+    assert "self_attn" in err and not out.exists() and "Traceback" not in err
