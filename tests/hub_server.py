@@ -107,12 +107,7 @@ def make_handler(state: HubState, endpoint: list[str]):
                 return self._error(404, "EntryNotFound", f"{name} not found")
             content = b["files"][name]
             etag = '"' + hashlib.sha256(content).hexdigest() + '"'
-            self._send(
-                200,
-                content,
-                {"X-Repo-Commit": b["sha"], "ETag": etag, "Content-Type": "application/octet-stream"},
-                head=head,
-            )
+            self._send(200, content, {"X-Repo-Commit": b["sha"], "ETag": etag, "Content-Type": "application/octet-stream"}, head=head)
 
         def do_POST(self):
             path = unquote(urlparse(self.path).path)
@@ -136,15 +131,10 @@ def make_handler(state: HubState, endpoint: list[str]):
                 req = json.loads(body)
                 repo = f"{req.get('organization') or 'user'}/{req['name']}"
                 if repo in state.repos:
-                    return self._send(
-                        409, {"error": "You already created this model repo", "url": f"{endpoint[0]}/{repo}"}
-                    )
+                    return self._send(409, {"error": "You already created this model repo", "url": f"{endpoint[0]}/{repo}"})
                 private = bool(req.get("private")) or req.get("visibility") == "private"  # older and newer clients
-                state.repos[repo] = {
-                    "private": private,
-                    "branches": {"main": {"files": {}, "sha": _sha({})}},
-                    "snapshots": {},
-                }
+                state.repos[repo] = {"private": private, "branches": {"main": {"files": {}, "sha": _sha({})}},
+                                     "snapshots": {}}
                 return self._send(200, {"url": f"{endpoint[0]}/{repo}", "name": repo})
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/branch/([^/]+)", path)
             if m:
@@ -158,9 +148,7 @@ def make_handler(state: HubState, endpoint: list[str]):
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/preupload/([^/]+)", path)
             if m:
                 files = json.loads(body)["files"]
-                return self._send(
-                    200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
-                )
+                return self._send(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/commit/([^/]+)", path)
             if m:
                 b, err = self._branch(m.group(1), m.group(2))
@@ -173,19 +161,13 @@ def make_handler(state: HubState, endpoint: list[str]):
                         header = item["value"]
                     elif item["key"] == "file":
                         v = item["value"]
-                        b["files"][v["path"]] = (
-                            base64.b64decode(v["content"]) if v.get("encoding") == "base64" else v["content"].encode()
-                        )
+                        b["files"][v["path"]] = base64.b64decode(v["content"]) if v.get("encoding") == "base64" else v["content"].encode()
                     elif item["key"] == "deletedFile":
                         b["files"].pop(item["value"]["path"], None)
                 b["sha"] = _sha(b["files"])
                 state.repos[m.group(1)]["snapshots"][b["sha"]] = {"files": dict(b["files"]), "sha": b["sha"]}
-                state.commits.append(
-                    {"repo": m.group(1), "revision": m.group(2), "summary": (header or {}).get("summary")}
-                )
-                return self._send(
-                    200, {"commitUrl": f"{endpoint[0]}/{m.group(1)}/commit/{b['sha']}", "commitOid": b["sha"]}
-                )
+                state.commits.append({"repo": m.group(1), "revision": m.group(2), "summary": (header or {}).get("summary")})
+                return self._send(200, {"commitUrl": f"{endpoint[0]}/{m.group(1)}/commit/{b['sha']}", "commitOid": b["sha"]})
             self._error(404, "EntryNotFound", f"no route {path}")
 
     return Handler

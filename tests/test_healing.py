@@ -47,17 +47,9 @@ def test_healing_lowers_the_loss_is_reproducible_and_keeps_padding_heads_silent(
     sd, sd2 = healed.state_dict(), again.state_dict()
     assert all(torch.equal(sd[k], sd2[k]) for k in sd)
     _, plan3, model3 = pruned_tiny("uniform")
-    other, _ = heal(
-        model3,
-        texts(lm),
-        HealConfig(**{**config.to_json(), "seed": 4}),
-        progress=False,
-        log=lambda m: None,
-        dead_heads=dead_head_slots(model3, lm.arch, plan3),
-    )
-    assert not torch.equal(
-        other.state_dict()["model.layers.0.self_attn.q_proj.weight"], sd["model.layers.0.self_attn.q_proj.weight"]
-    )
+    other, _ = heal(model3, texts(lm), HealConfig(**{**config.to_json(), "seed": 4}), progress=False, log=lambda m: None,
+                    dead_heads=dead_head_slots(model3, lm.arch, plan3))
+    assert not torch.equal(other.state_dict()["model.layers.0.self_attn.q_proj.weight"], sd["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_merged_weights_compute_what_was_trained_and_silencing_keeps_padding_heads_dead():
@@ -70,7 +62,7 @@ def test_merged_weights_compute_what_was_trained_and_silencing_keeps_padding_hea
     _, plan2, model2 = pruned_tiny("per-layer")
     revived, _ = heal(model2, texts(lm), config, progress=False, log=lambda m: None, dead_heads={})
     name, (d, slots) = next(iter(dead.items()))
-    assert float(revived.get_submodule(name).weight[:, slots[0] * d : (slots[0] + 1) * d].abs().max()) > 0
+    assert float(revived.get_submodule(name).weight[:, slots[0] * d:(slots[0] + 1) * d].abs().max()) > 0
 
 
 @pytest.fixture(scope="module")
@@ -78,28 +70,14 @@ def model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny_llama_heal"), "llama")
 
 
+
 def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     mmlu = _cais_file(tmp_path, n_subjects=3, per_subject=14)
     out = tmp_path / "healed"
-    base = [
-        "--model",
-        model_dir,
-        "--mmlu",
-        mmlu,
-        "--mmlu-per-subject",
-        "3",
-        "--dtype",
-        "float32",
-        "--no-progress",
-        "--calibration-size",
-        "4",
-        "--budget",
-        "100%",
-        "--layout",
-        "uniform",
-    ]
+    base = ["--model", model_dir, "--mmlu", mmlu, "--mmlu-per-subject", "3", "--dtype", "float32", "--no-progress",
+            "--calibration-size", "4", "--budget", "100%", "--layout", "uniform"]
     code, _, err = run_cli(base + ["--out", out, "--heal-steps", "12", "--seed", "1"], capsys)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
@@ -124,46 +102,22 @@ def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsy
 def test_heal_in_search_judges_points_after_healing(model_dir, tmp_path, capsys):
     mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=14)
     out = tmp_path / "his"
-    code, _, err = run_cli(
-        [
-            "--model",
-            model_dir,
-            "--mmlu",
-            mmlu,
-            "--mmlu-per-subject",
-            "3",
-            "--dtype",
-            "float32",
-            "--no-progress",
-            "--calibration-size",
-            "4",
-            "--budget",
-            "0.5nat",
-            "--heal-steps",
-            "3",
-            "--heal-in-search",
-            "--out",
-            out,
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--mmlu-per-subject", "3", "--dtype", "float32",
+                            "--no-progress", "--calibration-size", "4", "--budget", "0.5nat", "--heal-steps", "3",
+                            "--heal-in-search", "--out", out], capsys)
     assert code == 0, err
-    assert err.count("healing the pruned model for") == len(
-        [p for p in json.loads((out / "report.json").read_text())["points"] if p["num_heads"] > 0]
-    )
+    assert err.count("healing the pruned model for") == len([p for p in json.loads((out / "report.json").read_text())["points"]
+                                                             if p["num_heads"] > 0])
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["heal_in_search"] and report["export"]["healing"]["steps"] == 3
 
 
-@pytest.mark.parametrize(
-    "extra,message",
-    [
-        (["--heal-in-search"], "give the number of steps with --heal-steps N"),
-        (["--heal-steps", "5", "--no-export"], "drop --no-export"),
-        (["--heal-steps", "5", "--layout", "masked"], "needs a physical layout"),
-        (["--heal-steps", "5", "--adapter", "somewhere"], "do not combine"),
-    ],
-)
+@pytest.mark.parametrize("extra,message", [
+    (["--heal-in-search"], "give the number of steps with --heal-steps N"),
+    (["--heal-steps", "5", "--no-export"], "drop --no-export"),
+    (["--heal-steps", "5", "--layout", "masked"], "needs a physical layout"),
+    (["--heal-steps", "5", "--adapter", "somewhere"], "do not combine"),
+])
 def test_healing_option_errors(model_dir, tmp_path, capsys, extra, message):
     code, _, err = run_cli(["--model", model_dir, "--out", tmp_path / "x"] + extra, capsys)
     assert code == 2 and message in err and "Traceback" not in err
@@ -178,13 +132,7 @@ def test_healing_gives_every_tensor_its_dtype_back():
     for b in rotary.values():
         b.data = b.data.float()
     before = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    healed, _ = heal(
-        model,
-        texts(lm),
-        HealConfig(steps=2, batch_size=2),
-        progress=False,
-        log=lambda m: None,
-        dead_heads=dead_head_slots(model, lm.arch, plan),
-    )
+    healed, _ = heal(model, texts(lm), HealConfig(steps=2, batch_size=2), progress=False, log=lambda m: None,
+                     dead_heads=dead_head_slots(model, lm.arch, plan))
     after = {n: t.dtype for n, t in [*healed.named_parameters(), *healed.named_buffers()]}
     assert after == before and any(d == torch.float32 for d in after.values())

@@ -25,23 +25,14 @@ def export_dir(tmp_path_factory):
 @pytest.fixture()
 def hub(tmp_path):
     with HubServer() as server:
-        env = {
-            **os.environ,
-            "HF_ENDPOINT": server.url,
-            "HF_TOKEN": server.state.token,
-            "HF_HOME": str(tmp_path / "hf"),
-            "HF_HUB_DISABLE_XET": "1",
-            "HF_HUB_OFFLINE": "0",
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "NO_PROXY": "127.0.0.1",
-        }
+        env = {**os.environ, "HF_ENDPOINT": server.url, "HF_TOKEN": server.state.token, "HF_HOME": str(tmp_path / "hf"),
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1"}
         yield server, env
 
 
 def run(args, env):
-    return subprocess.run(
-        [sys.executable, "-m", "prune_heads_cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
-    )
+    return subprocess.run([sys.executable, "-m", "prune_heads_cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
 
 
 RELOAD = """
@@ -69,13 +60,8 @@ def test_push_round_trip_files_and_logits(export_dir, hub, tmp_path):
     assert "heads removed" in server.state.commits[-1]["summary"]
 
     out = tmp_path / "logits.pt"
-    proc = subprocess.run(
-        [sys.executable, "-c", RELOAD, "user/pruned-tiny", "v1", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    proc = subprocess.run([sys.executable, "-c", RELOAD, "user/pruned-tiny", "v1", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     local_model = AutoModelForCausalLM.from_pretrained(export_dir)
     with torch.no_grad():
@@ -111,26 +97,9 @@ def test_main_command_push_to(hub, tmp_path):
     lm.model.save_pretrained(model)
     lm.tokenizer.save_pretrained(model)
     mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
-    proc = run(
-        [
-            "--model",
-            model,
-            "--mmlu",
-            mmlu,
-            "--out",
-            tmp_path / "out",
-            "--calibration-size",
-            "4",
-            "--no-progress",
-            "--push-to",
-            "user/main-push",
-            "--private",
-        ],
-        env,
-    )
+    proc = run(["--model", model, "--mmlu", mmlu, "--out", tmp_path / "out", "--calibration-size", "4", "--no-progress",
+                "--push-to", "user/main-push", "--private"], env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     repo = server.state.repos["user/main-push"]
     assert repo["private"] and MANIFEST in repo["branches"]["main"]["files"]
-    assert (
-        repo["branches"]["main"]["files"]["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()
-    )
+    assert repo["branches"]["main"]["files"]["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()

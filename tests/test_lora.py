@@ -66,9 +66,7 @@ def test_adapt_command_and_bad_inputs(tmp_path, capsys):
     assert e.value.code == 0 and (tmp_path / "a" / "adapter_model.safetensors").is_file()
     import json
 
-    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
-        pruned_dir.resolve()
-    )
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(pruned_dir.resolve())
     with pytest.raises(SystemExit) as e:
         main(["adapt", str(tmp_path), "--pruned", str(pruned_dir), "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
@@ -92,25 +90,8 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     lm.tokenizer.save_pretrained(model_dir)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        main(
-            [
-                "--model",
-                str(model_dir),
-                "--adapter",
-                str(adapter_dir),
-                "--mmlu",
-                str(_cais_file(tmp_path)),
-                "--out",
-                str(out),
-                "--calibration-size",
-                "4",
-                "--no-progress",
-                "--budget",
-                "5pt",
-                "--mmlu-per-subject",
-                "all",
-            ]
-        )
+        main(["--model", str(model_dir), "--adapter", str(adapter_dir), "--mmlu", str(_cais_file(tmp_path)), "--out", str(out),
+              "--calibration-size", "4", "--no-progress", "--budget", "5pt", "--mmlu-per-subject", "all"])
     err = capsys.readouterr().err
     assert e.value.code == 0, err
     report = json.loads((out / "report.json").read_text())
@@ -120,9 +101,7 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     trust = (out / "modeling_pruned.py").is_file()
     base = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=trust)
     full = PeftModel.from_pretrained(base, out / "adapter")
-    merged = LoadedModel(
-        peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device
-    )
+    merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device)
     from prune_heads.heads import HeadSet
     from prune_heads.planning import Planner
 
@@ -141,10 +120,8 @@ def test_dora_on_queries_with_zero_padding_heads_is_refused_and_works_without_th
 
     lm = tiny_model("mistral")
     torch.manual_seed(0)
-    peft_model = get_peft_model(
-        copy.deepcopy(lm.model),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, init_lora_weights=False),
-    )
+    peft_model = get_peft_model(copy.deepcopy(lm.model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                    use_dora=True, init_lora_weights=False))
     adapter_dir = tmp_path / "dora"
     peft_model.save_pretrained(adapter_dir)
     padded = tmp_path / "padded"

@@ -40,14 +40,8 @@ def _cais_file(tmp_path, n_subjects=2, per_subject=8, bad=True):
     rows = []
     for s in range(n_subjects):
         for i in range(per_subject):
-            rows.append(
-                {
-                    "question": f"Which answer is right for item {i} of set {s}? The quick brown fox.",
-                    "subject": f"subject_{s}",
-                    "choices": ["Femur", "Humerus", "Tibia", "Fibula"],
-                    "answer": (i + s) % 4,
-                }
-            )
+            rows.append({"question": f"Which answer is right for item {i} of set {s}? The quick brown fox.",
+                         "subject": f"subject_{s}", "choices": ["Femur", "Humerus", "Tibia", "Fibula"], "answer": (i + s) % 4})
     if bad:
         rows.insert(3, {"question": "broken", "subject": "subject_0", "choices": ["a", "b", "c", "d"], "answer": 7})
         rows.insert(4, {"question": "no choices", "subject": "subject_0", "answer": 1})

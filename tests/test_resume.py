@@ -30,36 +30,14 @@ def setup(tmp_path_factory):
 
 def args(setup, out, *extra):
     model, mmlu = setup
-    return [
-        "--model",
-        str(model),
-        "--mmlu",
-        str(mmlu),
-        "--out",
-        str(out),
-        "--mmlu-per-subject",
-        "all",
-        "--dtype",
-        "float32",
-        "--calibration-size",
-        "6",
-        "--budget",
-        "5pt",
-        "--no-progress",
-        *extra,
-    ]
+    return ["--model", str(model), "--mmlu", str(mmlu), "--out", str(out), "--mmlu-per-subject", "all", "--dtype", "float32",
+            "--calibration-size", "6", "--budget", "5pt", "--no-progress", *extra]
 
 
 def cli(argv, env_extra=None, **kw):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env_extra or {})}
-    return subprocess.Popen(
-        [sys.executable, "-m", "prune_heads_cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        **kw,
-    )
+    return subprocess.Popen([sys.executable, "-m", "prune_heads_cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **kw)
 
 
 def finished(proc, timeout=300):
@@ -90,9 +68,7 @@ def reference(setup, tmp_path_factory):
 
 def _same_result(report, reference):
     assert report["heads"] == reference["heads"]
-    assert [(p["num_heads"], p["accuracy"]) for p in report["points"]] == [
-        (p["num_heads"], p["accuracy"]) for p in reference["points"]
-    ]
+    assert [(p["num_heads"], p["accuracy"]) for p in report["points"]] == [(p["num_heads"], p["accuracy"]) for p in reference["points"]]
     assert report["scores"] == reference["scores"]
     assert report["export"]["task_eval"] == reference["export"]["task_eval"]
 
@@ -215,38 +191,13 @@ def test_pickled_weights_are_refused_unless_allowed(tmp_path, capsys):
     lm.tokenizer.save_pretrained(d)
     assert (d / "pytorch_model.bin").exists() and not list(d.glob("*.safetensors"))
     with pytest.raises(SystemExit) as e:
-        main(
-            [
-                "score",
-                "--model",
-                str(d),
-                "--out",
-                str(tmp_path / "o"),
-                "--calibration-size",
-                "2",
-                "--no-progress",
-                "--mmlu",
-                str(_cais_file(tmp_path)),
-            ]
-        )
+        main(["score", "--model", str(d), "--out", str(tmp_path / "o"), "--calibration-size", "2", "--no-progress",
+              "--mmlu", str(_cais_file(tmp_path))])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--allow-pickle" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(SystemExit) as e:
-        main(
-            [
-                "score",
-                "--model",
-                str(d),
-                "--out",
-                str(tmp_path / "o"),
-                "--calibration-size",
-                "2",
-                "--no-progress",
-                "--mmlu",
-                str(_cais_file(tmp_path)),
-                "--allow-pickle",
-            ]
-        )
+        main(["score", "--model", str(d), "--out", str(tmp_path / "o"), "--calibration-size", "2", "--no-progress",
+              "--mmlu", str(_cais_file(tmp_path)), "--allow-pickle"])
     assert e.value.code == 0 and (tmp_path / "o" / "scores.json").is_file()
 
 

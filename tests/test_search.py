@@ -8,9 +8,7 @@ from prune_heads.heads import HeadSet
 from prune_heads.search import Budget, search_budget
 
 
-@pytest.mark.parametrize(
-    "text,points", [("1%", 1.0), ("0.5", 0.5), ("2pt", 2.0), (" 1.5 % ", 1.5), ("3 points", 3.0), (".5", 0.5)]
-)
+@pytest.mark.parametrize("text,points", [("1%", 1.0), ("0.5", 0.5), ("2pt", 2.0), (" 1.5 % ", 1.5), ("3 points", 3.0), (".5", 0.5)])
 def test_budget_parses(text, points):
     assert Budget.parse(text).points == points
 
@@ -42,9 +40,7 @@ def test_search_finds_largest_size_within_budget_and_keeps_every_point():
         return result_with_accuracy(120 if k <= 13 else 100)  # drop of 10 points past 13 heads
 
     baseline = result_with_accuracy(120)
-    res = search_budget(
-        ranking, evaluate, baseline, Budget(1.0), grid=(0.05, 0.10, 0.15, 0.20, 0.25), patience=2, refine_steps=4
-    )
+    res = search_budget(ranking, evaluate, baseline, Budget(1.0), grid=(0.05, 0.10, 0.15, 0.20, 0.25), patience=2, refine_steps=4)
     assert res.best.num_heads == 13
     assert res.best.heads == HeadSet.from_pairs(ranking[:13])
     sizes = [p.num_heads for p in res.curve()]
@@ -59,30 +55,15 @@ def test_non_monotone_curve_takes_largest_passing_point():
     def evaluate(heads, label):
         return result_with_accuracy({4: 119, 8: 110, 12: 120, 16: 100, 20: 100}.get(len(heads), 100))
 
-    res = search_budget(
-        ranking,
-        evaluate,
-        result_with_accuracy(120),
-        Budget(1.0),
-        grid=(0.1, 0.2, 0.3, 0.4, 0.5),
-        patience=2,
-        refine_steps=0,
-    )
+    res = search_budget(ranking, evaluate, result_with_accuracy(120), Budget(1.0), grid=(0.1, 0.2, 0.3, 0.4, 0.5),
+                        patience=2, refine_steps=0)
     assert res.best.num_heads == 12
     assert not [p for p in res.points if p.num_heads == 8][0].within_budget
 
 
-@pytest.mark.parametrize(
-    "text,metric,expected",
-    [
-        ("0.05nat", None, ("kl", 0.05)),
-        ("0.1 nats", "kl", ("kl", 0.1)),
-        ("0.2", "kl", ("kl", 0.2)),
-        ("1%", None, ("accuracy", 1.0)),
-        ("1%", "mmlu-cloze", ("accuracy", 1.0)),
-        ("0.1nat", "kl-text", ("kl-text", 0.1)),
-    ],
-)
+@pytest.mark.parametrize("text,metric,expected", [("0.05nat", None, ("kl", 0.05)), ("0.1 nats", "kl", ("kl", 0.1)),
+                                                  ("0.2", "kl", ("kl", 0.2)), ("1%", None, ("accuracy", 1.0)), ("1%", "mmlu-cloze", ("accuracy", 1.0)),
+                                                  ("0.1nat", "kl-text", ("kl-text", 0.1))])
 def test_kl_budgets(text, metric, expected):
     b = Budget.parse(text, metric)
     assert (b.metric, b.points) == expected
@@ -119,9 +100,7 @@ def test_kl_budget_drives_the_search():
         return EvalResult(QS, ll)
 
     base = evaluate(HeadSet(), "")
-    res = search_budget(
-        ranking, evaluate, base, Budget(0.02, "kl"), grid=(0.1, 0.2, 0.3, 0.4), patience=1, refine_steps=3
-    )
+    res = search_budget(ranking, evaluate, base, Budget(0.02, "kl"), grid=(0.1, 0.2, 0.3, 0.4), patience=1, refine_steps=3)
     assert all(p.accuracy == base.accuracy for p in res.points)  # accuracy cannot see this damage
     assert 0 < res.best.num_heads < 40 and res.best.kl <= 0.02
     over = [p for p in res.points if not p.within_budget]

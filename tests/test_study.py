@@ -171,27 +171,9 @@ def test_study_on_another_task(model_dir, tmp_path, capsys):
     from test_tasks import write_rows
 
     out = tmp_path / "piqa-study"
-    code, _, err = run_cli(
-        [
-            "study",
-            "--model",
-            model_dir,
-            "--task",
-            "piqa",
-            "--task-data",
-            write_rows(tmp_path, "piqa"),
-            "--functions",
-            "ahon_ln,awft",
-            "--percents",
-            "0,25,50",
-            "--modes",
-            "dynamic,random",
-            "--out",
-            out,
-            "--no-progress",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["study", "--model", model_dir, "--task", "piqa", "--task-data", write_rows(tmp_path, "piqa"),
+                            "--functions", "ahon_ln,awft", "--percents", "0,25,50", "--modes", "dynamic,random",
+                            "--out", out, "--no-progress"], capsys)
     assert code == 0, err
     study = json.loads((out / "study.json").read_text())
     assert study["task"] == "piqa" and study["inputs"] == 2 and set(study["ranking"]) == {"dynamic", "random"}

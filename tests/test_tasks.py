@@ -35,68 +35,24 @@ ARC = [
     {"id": "bad", "question": "No key", "answerKey": "Z", "choices": {"text": ["a", "b"], "label": ["A", "B"]}},
 ]
 HELLASWAG = [
-    {
-        "ind": 4,
-        "activity_label": "Removing ice from car",
-        "ctx_a": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes smiles.",
-        "ctx_b": "then",
-        "ctx": "...",
-        "endings": [
-            ", the man adds wax to the windshield and cuts it.",
-            ", a person board a ski lift, while two men supporting the head of the person wearing winter clothes snow as the we girls sled.",
-            ", the man puts on a christmas coat, knitted with netting.",
-            ", the man continues removing the snow on his car.",
-        ],
-        "source_id": "x",
-        "split": "val",
-        "split_type": "indomain",
-        "label": "3",
-    },
-    {
-        "ind": 9,
-        "activity_label": "Baking cookies",
-        "ctx_a": "A woman is in a kitchen. [title] She mixes flour.",
-        "ctx_b": "she",
-        "ctx": "...",
-        "endings": ["bakes the  dough [step] in the oven.", "eats it.", "sings.", "leaves."],
-        "source_id": "y",
-        "split": "val",
-        "split_type": "indomain",
-        "label": "0",
-    },
-    {
-        "ind": 10,
-        "activity_label": "x",
-        "ctx_a": "y",
-        "ctx_b": "z",
-        "ctx": "",
-        "endings": ["a", "b", "c", "d"],
-        "label": "",
-    },
+    {"ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes smiles.",
+     "ctx_b": "then", "ctx": "...", "endings": [", the man adds wax to the windshield and cuts it.", ", a person board a ski lift, while two men supporting the head of the person wearing winter clothes snow as the we girls sled.", ", the man puts on a christmas coat, knitted with netting.", ", the man continues removing the snow on his car."],
+     "source_id": "x", "split": "val", "split_type": "indomain", "label": "3"},
+    {"ind": 9, "activity_label": "Baking cookies", "ctx_a": "A woman is in a kitchen. [title] She mixes flour.", "ctx_b": "she",
+     "ctx": "...", "endings": ["bakes the  dough [step] in the oven.", "eats it.", "sings.", "leaves."],
+     "source_id": "y", "split": "val", "split_type": "indomain", "label": "0"},
+    {"ind": 10, "activity_label": "x", "ctx_a": "y", "ctx_b": "z", "ctx": "", "endings": ["a", "b", "c", "d"], "label": ""},
 ]
 PIQA = [
-    {
-        "goal": "How do I ready a guinea pig cage for it's new occupants?",
-        "sol1": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, you will also need to supply it with a water bottle and a food dish.",
-        "sol2": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans material, you will also need to supply it with a water bottle and a food dish.",
-        "label": 0,
-    },
+    {"goal": "How do I ready a guinea pig cage for it's new occupants?", "sol1": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, you will also need to supply it with a water bottle and a food dish.", "sol2": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans material, you will also need to supply it with a water bottle and a food dish.", "label": 0},
     {"goal": "To open a jar", "sol1": "twist the lid.", "sol2": "push the lid.", "label": 0},
     {"goal": "unlabelled test row", "sol1": "a", "sol2": "b", "label": -1},
 ]
 WINOGRANDE = [
-    {
-        "sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.",
-        "option1": "Sarah",
-        "option2": "Maria",
-        "answer": "1",
-    },
-    {
-        "sentence": "The trophy does not fit in the suitcase because the _ is too big.",
-        "option1": "trophy",
-        "option2": "suitcase",
-        "answer": "1",
-    },
+    {"sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.", "option1": "Sarah",
+     "option2": "Maria", "answer": "1"},
+    {"sentence": "The trophy does not fit in the suitcase because the _ is too big.", "option1": "trophy",
+     "option2": "suitcase", "answer": "1"},
     {"sentence": "no answer _ here", "option1": "a", "option2": "b", "answer": ""},
 ]
 FIXTURES = {"arc_easy": ARC, "arc_challenge": ARC, "hellaswag": HELLASWAG, "piqa": PIQA, "winogrande": WINOGRANDE}
@@ -123,13 +79,8 @@ def test_mmlu_cloze_prompt_matches_lm_eval(tmp_path):
     q = data.subjects[0].questions[0]
     assert data.task == "mmlu-cloze" and q.norm_lengths == (5.0, 7.0, 5.0, 6.0)
     assert requests("mmlu-cloze", data) == [
-        (
-            "The following are questions (with answers) about subject 0.\n\nQuestion: Which answer is right for item 5 of "
-            "set 0? The quick brown fox.\nAnswer:",
-            " " + c,
-        )
-        for c in ["Femur", "Humerus", "Tibia", "Fibula"]
-    ]
+        ("The following are questions (with answers) about subject 0.\n\nQuestion: Which answer is right for item 5 of "
+         "set 0? The quick brown fox.\nAnswer:", " " + c) for c in ["Femur", "Humerus", "Tibia", "Fibula"]]
     # Same split as the letter task, so the two compare question by question.
     letters = load_mmlu(str(_cais_file(tmp_path)))
     assert [x.index for x in letters.questions] == [x.index for x in data.questions]
@@ -141,10 +92,8 @@ def test_arc_prompt_labels_and_skipped_rows(tmp_path):
     assert data.skipped_rows == 1 and [q.gold for q in data.questions] == [1, 2, 4]
     assert [len(q.choices) for q in data.questions] == [4, 3, 5]
     # arc_easy.yaml: doc_to_text "Question: {{question}}\nAnswer:", doc_to_choice "{{choices.text}}"
-    assert requests("arc_easy", data) == [
-        ("Question: Which part of the arm is a bone?\nAnswer:", " " + c)
-        for c in ["Femur", "Humerus", "Tibia", "Fibula"]
-    ]
+    assert requests("arc_easy", data) == [("Question: Which part of the arm is a bone?\nAnswer:", " " + c)
+                                          for c in ["Femur", "Humerus", "Tibia", "Fibula"]]
 
 
 def test_hellaswag_preprocessing_matches_lm_eval(tmp_path):
@@ -153,35 +102,24 @@ def test_hellaswag_preprocessing_matches_lm_eval(tmp_path):
     # utils.process_docs: query = preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize())
     assert requests("hellaswag", data)[3] == (
         "Removing ice from car: Then, the man writes over the snow covering the window of a car, and a woman wearing "
-        "winter clothes smiles. Then",
-        " , the man continues removing the snow on his car.",
-    )
+        "winter clothes smiles. Then", " , the man continues removing the snow on his car.")
     # preprocess: " [title]" -> ". ", other [..] removed, double spaces squeezed
     second = requests("hellaswag", data, 1)
-    assert second[0] == (
-        "Baking cookies: A woman is in a kitchen.. She mixes flour. She",
-        " bakes the dough in the oven.",
-    )
+    assert second[0] == ("Baking cookies: A woman is in a kitchen.. She mixes flour. She", " bakes the dough in the oven.")
 
 
 def test_piqa_and_winogrande_prompts(tmp_path):
     piqa = load_task("piqa", str(write_rows(tmp_path, "piqa")))
     assert piqa.skipped_rows == 1
-    assert requests("piqa", piqa, 1) == [
-        ("Question: To open a jar\nAnswer:", " twist the lid."),
-        ("Question: To open a jar\nAnswer:", " push the lid."),
-    ]
+    assert requests("piqa", piqa, 1) == [("Question: To open a jar\nAnswer:", " twist the lid."),
+                                         ("Question: To open a jar\nAnswer:", " push the lid.")]
     wino = load_task("winogrande", str(write_rows(tmp_path, "winogrande")))
     assert wino.skipped_rows == 1 and wino.questions[0].norm_lengths is None  # winogrande reports acc
     # Partial evaluation: the option fills the blank in the context; the rest of the sentence is the continuation.
     assert requests("winogrande", wino) == [
         ("Sarah was a much better surgeon than Maria so Sarah", " always got the harder cases."),
-        ("Sarah was a much better surgeon than Maria so Maria", " always got the harder cases."),
-    ]
-    assert (
-        TASKS["winogrande"].gold_text(wino.questions[1])
-        == "The trophy does not fit in the suitcase because the trophy is too big."
-    )
+        ("Sarah was a much better surgeon than Maria so Maria", " always got the harder cases.")]
+    assert TASKS["winogrande"].gold_text(wino.questions[1]) == "The trophy does not fit in the suitcase because the trophy is too big."
 
 
 def test_missing_or_malformed_task_data_is_a_clear_error(tmp_path):
@@ -210,14 +148,10 @@ def test_acc_norm_divides_by_choice_characters():
 def test_answer_kl_over_questions_with_different_numbers_of_choices():
     qs = [Question("arc", 0, "q", ("a", "b", "c"), 0), Question("arc", 1, "q", ("a", "b", "c", "d"), 0)]
     inf = float("-inf")
-    base = EvalResult(
-        qs,
-        torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25), inf], [math.log(0.25)] * 4], dtype=torch.float64),
-    )
-    abl = EvalResult(
-        qs,
-        torch.tensor([[math.log(0.25), math.log(0.5), math.log(0.25), inf], [math.log(0.25)] * 4], dtype=torch.float64),
-    )
+    base = EvalResult(qs, torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25), inf],
+                                        [math.log(0.25)] * 4], dtype=torch.float64))
+    abl = EvalResult(qs, torch.tensor([[math.log(0.25), math.log(0.5), math.log(0.25), inf],
+                                       [math.log(0.25)] * 4], dtype=torch.float64))
     kl = answer_kl(abl, base)
     assert kl[0].item() == pytest.approx(0.5 * math.log(2) + 0.25 * math.log(0.5)) and kl[1].item() == 0.0
     assert torch.equal(answer_kl(base, base), torch.zeros(2, dtype=torch.float64))
@@ -226,9 +160,8 @@ def test_answer_kl_over_questions_with_different_numbers_of_choices():
 # --- the batched path against the definition --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "family,task", [("llama", "arc_easy"), ("qwen2", "winogrande"), ("gemma2", "hellaswag"), ("olmo2", "piqa")]
-)
+@pytest.mark.parametrize("family,task", [("llama", "arc_easy"), ("qwen2", "winogrande"), ("gemma2", "hellaswag"),
+                                         ("olmo2", "piqa")])
 def test_batched_path_equals_reference_on_multi_token_tasks(tmp_path, family, task):
     lm = tiny_model(family)
     enc = encode_task(lm, load_task(task, str(write_rows(tmp_path, task))))
@@ -253,11 +186,8 @@ def test_mmlu_cloze_batched_many_sets_and_dynamic_masks_equal_reference(tmp_path
     masks = torch.ones(len(enc), 4, 6)
     for i in range(len(enc)):
         masks[i, i % 4, (2 * i) % 6] = 0
-    assert torch.allclose(
-        evaluate(lm, enc, masks, batch_size=5, progress=False).loglik,
-        evaluate_reference(lm, enc, masks).loglik,
-        atol=1e-4,
-    )
+    assert torch.allclose(evaluate(lm, enc, masks, batch_size=5, progress=False).loglik,
+                          evaluate_reference(lm, enc, masks).loglik, atol=1e-4)
 
 
 # --- next-token KL -----------------------------------------------------------------------------------------------
@@ -287,30 +217,14 @@ def model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
 
 
+
 def test_eval_on_piqa_with_ablation_reports_kl_and_agreement(model_dir, tmp_path, capsys):
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"0": [1], "1": [0, 3]}))
     kl_text = tmp_path / "held_out.txt"
     kl_text.write_text("The quick brown fox jumps over the lazy dog.\nAttention heads that do not matter can go.\n")
-    code, _, err = run_cli(
-        [
-            "eval",
-            "--model",
-            model_dir,
-            "--task",
-            "piqa",
-            "--task-data",
-            write_rows(tmp_path, "piqa"),
-            "--ablate",
-            heads,
-            "--kl-text",
-            kl_text,
-            "--out",
-            tmp_path / "ev",
-            "--no-progress",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["eval", "--model", model_dir, "--task", "piqa", "--task-data", write_rows(tmp_path, "piqa"),
+                            "--ablate", heads, "--kl-text", kl_text, "--out", tmp_path / "ev", "--no-progress"], capsys)
     assert code == 0, err
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     rows = [json.loads(x) for x in (tmp_path / "ev" / "piqa.jsonl").read_text().splitlines()]
@@ -322,35 +236,15 @@ def test_eval_on_piqa_with_ablation_reports_kl_and_agreement(model_dir, tmp_path
 def test_main_command_with_a_next_token_kl_budget_and_contradictions(model_dir, tmp_path, capsys):
     mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=12)
     out = tmp_path / "run"
-    code, _, err = run_cli(
-        [
-            "--model",
-            model_dir,
-            "--mmlu",
-            mmlu,
-            "--mmlu-per-subject",
-            "3",
-            "--metric",
-            "kl-text",
-            "--budget",
-            "0.05nat",
-            "--calibration-size",
-            "4",
-            "--no-export",
-            "--no-progress",
-            "--out",
-            out,
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--mmlu-per-subject", "3", "--metric", "kl-text",
+                            "--budget", "0.05nat", "--calibration-size", "4", "--no-export", "--no-progress",
+                            "--out", out], capsys)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["budget"]["metric"] == "kl-text" and report["task"]["kl_text"]["texts"] == 8  # 2 x (12-5-3) held out
     assert all("kl_text_nats" in p for p in report["points"])
     assert all(p["within_budget"] == (p["kl_text_nats"] <= 0.05) for p in report["points"])
-    code, _, err = run_cli(
-        ["--model", model_dir, "--metric", "mmlu-cloze", "--task", "piqa", "--out", tmp_path / "x"], capsys
-    )
+    code, _, err = run_cli(["--model", model_dir, "--metric", "mmlu-cloze", "--task", "piqa", "--out", tmp_path / "x"], capsys)
     assert code == 2 and "--metric mmlu-cloze is the accuracy on the mmlu-cloze task, but --task is piqa" in err
     code, _, err = run_cli(["--model", model_dir, "--task", "hellaswag", "--out", tmp_path / "y"], capsys)
     assert code == 2 and "--task hellaswag needs its questions: pass --task-data FILE" in err

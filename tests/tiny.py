@@ -38,12 +38,8 @@ def _config(family: str, **overrides):
         return tf.Gemma2Config(**COMMON, query_pre_attn_scalar=16, sliding_window=6, attn_logit_softcapping=50.0,
                                final_logit_softcapping=30.0)
     if family == "gemma3_text":
-        return tf.Gemma3TextConfig(
-            **COMMON,
-            query_pre_attn_scalar=16,
-            sliding_window=6,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        )
+        return tf.Gemma3TextConfig(**COMMON, query_pre_attn_scalar=16, sliding_window=6,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
     if family == "phi3":
         cfg = dict(COMMON)
         return tf.Phi3Config(**cfg, sliding_window=None)
@@ -78,24 +74,15 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides) -> L
             if name.endswith("proj.weight"):
                 p.mul_(4.0)
     model.eval().requires_grad_(False)
-    return LoadedModel(
-        model,
-        tokenizer(),
-        adapter_for(config.model_type),
-        ModelSource("tiny-" + family, "directory", "."),
-        torch.float32,
-        torch.device("cpu"),
-    )
+    return LoadedModel(model, tokenizer(), adapter_for(config.model_type), ModelSource("tiny-" + family, "directory", "."),
+                       torch.float32, torch.device("cpu"))
 
 
-CORPUS = (
-    """The following are multiple choice questions (with answers) about anatomy.
+CORPUS = """The following are multiple choice questions (with answers) about anatomy.
 Which of the following is a bone of the arm? A. Femur B. Humerus C. Tibia D. Fibula Answer: B
 What is the capital of France? Answer: A B C D
 The quick brown fox jumps over the lazy dog. Attention heads that do not matter can be removed.
-"""
-    * 4
-)
+""" * 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,16 +93,10 @@ def tokenizer():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([CORPUS], trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
 def save_tiny(directory, family: str):
