@@ -25,12 +25,13 @@ from prune_heads import __version__
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
 from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
-from prune_heads.fileio import read_json, sha256_file, write_json, write_text
+from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
 from prune_heads.planning import LayoutChoice, Planner, planner_for
 from prune_heads.pruning import pruned_copy
+from prune_heads.readers import check_manifest, read_json
 from prune_heads.verify import bytes_per_value, compare_models, sample_prompts
 
 from .card import model_card
@@ -255,9 +256,11 @@ def _manifest(lm, heads, choice, stats, verification, task_eval, healing, info: 
 def read_manifest(directory: Path) -> dict:
     """The manifest of a complete, verified export, or a UserError saying what is wrong."""
     path = Path(directory) / MANIFEST
-    meta = read_json(path, f"{directory} is not a prune-heads export (no {MANIFEST}); export one with prune-heads or "
-                     "prune-heads export", f"{path} is corrupt; export the model again")
-    if not isinstance(meta, dict) or not meta.get("verified"):
+    if not path.is_file():
+        raise UserError(f"{directory} is not a prune-heads export (no {MANIFEST}); export one with prune-heads or "
+                        "prune-heads export")
+    meta = check_manifest(read_json(path, "manifest"), path)
+    if not meta.get("verified"):
         raise UserError(f"{directory} was not verified; export it again")
     for name, digest in (meta.get("files") or {}).items():
         f = Path(directory) / name

@@ -30,6 +30,9 @@ def push_export(directory: str | Path, repo_id: str, private: bool = False, bran
         status = getattr(e.response, "status_code", "?")
         hint = "check HF_TOKEN or run `hf auth login`" if status in (401, 403) else "check the repo id and your network"
         raise UserError(f"the Hub refused access to {repo_id} (HTTP {status}); {hint}") from None
+    except Exception as e:  # noqa: BLE001  (no network, DNS, TLS, offline mode: never a traceback, never the token)
+        raise UserError(f"could not reach the Hub at {api.endpoint} ({type(e).__name__}); check your network, "
+                        "HF_ENDPOINT and HF_HUB_OFFLINE") from None
     if existing and not force:
         shown = ", ".join(sorted(existing)[:3]) + ("..." if len(existing) > 3 else "")
         raise UserError(f"{repo_id} already has files ({shown}); pass --force to overwrite them, or choose another "
@@ -43,6 +46,9 @@ def push_export(directory: str | Path, repo_id: str, private: bool = False, bran
     except HfHubHTTPError as e:
         raise UserError(f"upload to {repo_id} failed (HTTP {getattr(e.response, 'status_code', '?')}); nothing was "
                         "changed if the commit did not complete; try again") from None
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"upload to {repo_id} failed ({type(e).__name__}); nothing was changed if the commit did not "
+                        "complete; check your network and try again") from None
     url = getattr(info, "commit_url", None) or f"{repo_id}"
     log(f"pushed {len(files)} files to {repo_id}: {url}")
     return url

@@ -15,10 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
-from prune_heads.fileio import atomic_write, read_json, write_json
+from prune_heads.fileio import atomic_write, write_json
 from prune_heads.geometry import head_rows
 from prune_heads.models.adapters import ArchAdapter, adapter_for
 from prune_heads.planning import LayerPlan, PrunePlan
+from prune_heads.readers import check_adapter_config, read_json
 from prune_heads.verify import compare_models, sample_prompts
 
 from .export import read_manifest
@@ -54,13 +55,12 @@ def read_adapter_config(adapter_dir: Path) -> dict:
     """The adapter_config.json of a peft LoRA adapter directory, or a UserError saying what it is not."""
     cfg_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     if not cfg_path.is_file() or not weights_path.is_file():
-        raise UserError(
-            f"{adapter_dir} is not a peft adapter (needs adapter_config.json and adapter_model.safetensors)"
-        )
-    config = read_json(cfg_path, f"{cfg_path} is missing", f"{cfg_path} is not valid JSON; fix or re-save the adapter")
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        kind = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
-        raise UserError(f"{adapter_dir} is a {kind} adapter; only LoRA (and DoRA) adapters can be sliced")
+        raise UserError(f"{adapter_dir} is not a peft adapter (needs adapter_config.json and "
+                        "adapter_model.safetensors)")
+    config = check_adapter_config(read_json(cfg_path, "adapter config"), cfg_path)
+    if config.get("peft_type") != "LORA":
+        raise UserError(f"{adapter_dir} is a {config['peft_type']} adapter; only LoRA (and DoRA) adapters can be "
+                        "sliced")
     return config
 
 
@@ -71,11 +71,8 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     meta = read_manifest(pruned_dir)
     plan = PrunePlan.from_json(meta.get("plan") or {})
     weights_path = adapter_dir / "adapter_model.safetensors"
-    model_type = read_json(
-        pruned_dir / "config.json",
-        f"{pruned_dir} has no config.json; export it again",
-        f"{pruned_dir}/config.json is corrupt; export it again",
-    ).get("model_type")
+    model_config = read_json(pruned_dir / "config.json", "pruned model config")
+    model_type = model_config.get("model_type") if isinstance(model_config, dict) else None
     arch = adapter_for(model_type)
     pattern = arch.attention_key()
     state = load_file(str(weights_path))

@@ -3,6 +3,7 @@ with errors that say what to do."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -66,12 +67,23 @@ def read_json(path: str | os.PathLike, missing: str, corrupt: str) -> Any:
         raise UserError(corrupt) from None
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN or infinity replaced by None: what JSON can hold (NaN is not JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    return write_text(path, json.dumps(json_safe(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
-    return write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return write_text(path, "".join(json.dumps(json_safe(r), allow_nan=False) + "\n" for r in rows))
 
 
 class StagedDirectory:
@@ -93,11 +105,15 @@ class StagedDirectory:
 
         self.out = Path(out)
         check_out(self.out, force, resume, inputs)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
         self.path = self.out.parent / f".{self.out.name}.partial"
-        self.resumed = self.path.is_dir() and any((self.path / "cache").glob("*.safetensors"))
-        self.path.mkdir(exist_ok=True)
-        (self.path / MARKER).write_text("written by prune-heads\n")
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.resumed = self.path.is_dir() and any((self.path / "cache").glob("*.safetensors"))
+            self.path.mkdir(exist_ok=True)
+            (self.path / MARKER).write_text("written by prune-heads\n")
+        except OSError as e:
+            raise UserError(f"--out {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
+                            "directory you can write to") from None
         self._lock = open(self.path / ".lock", "w")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

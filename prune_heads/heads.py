@@ -1,7 +1,6 @@
 """HeadSet (which query heads, per layer) and ScoreTable (named [layer, head] scores): the types everything passes."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -81,16 +80,9 @@ class HeadSet:
 
     @staticmethod
     def load(path: str | Path) -> "HeadSet":
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"head set file {path} does not exist; pass a heads.json written by prune-heads")
-        try:
-            raw = json.loads(path.read_text())
-            if not isinstance(raw, dict):
-                raise ValueError("top level is not an object")
-            return HeadSet.of({int(k): [int(h) for h in v] for k, v in raw.items()})
-        except (ValueError, TypeError) as e:
-            raise UserError(f'head set file {path} is malformed ({e}); expected {{"layer": [head, ...]}}') from None
+        from .readers import read_heads
+
+        return HeadSet.of(read_heads(path))
 
 
 # Direction of each base score: "low" means a low value marks a dormant head.

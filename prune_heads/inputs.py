@@ -46,6 +46,9 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
     source = source or resolve_source(settings.model)
     config = config or load_config(source, settings.trust_remote_code, settings.revision)
     questions, full = load_questions(settings)
+    if not sum(len(s.questions) for s in questions.subjects):
+        raise UserError(f"the {settings.task} selection leaves no questions to evaluate (every row is an exemplar or "
+                        "was skipped); select more subjects or questions, or pass a larger file")
     calibration = rest = None
     if settings.calibration:
         texts = load_calibration(settings.calibration)

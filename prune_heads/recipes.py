@@ -9,9 +9,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .errors import UserError
+from .readers import read_recipe, read_yaml
 
 KEYS = {
     "name",
@@ -59,16 +58,15 @@ def _recipe_dir() -> Path:
 
 
 def _read(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"recipe {path} is not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+    data = read_yaml(path, "recipe")
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise UserError(f"recipe {path} must be a YAML mapping of settings")
-    unknown = set(data) - KEYS
+        raise UserError(f"recipe {path} must be a YAML mapping of settings, not a {type(data).__name__}")
+    unknown = set(map(str, data)) - KEYS
     if unknown:
         raise UserError(f"recipe {path} has unknown keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
-    return data
+    return read_recipe(path)
 
 
 def builtin_recipes() -> dict[str, Path]:

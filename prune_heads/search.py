@@ -19,6 +19,7 @@ DEFAULT_GRID = (0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0
 
 
 METRICS = ("accuracy", "kl", "kl-text")
+MAX_NATS = 100.0  # a KL budget beyond this accepts any model
 # --metric values that also name the task they are measured on (the accuracy of that task)
 METRIC_TASKS = {"mmlu": "mmlu", "mmlu-cloze": "mmlu-cloze"}
 METRIC_CHOICES = ("mmlu", "mmlu-cloze", "accuracy", "kl", "kl-text")
@@ -57,6 +58,9 @@ class Budget:
             raise UserError(f"--metric {metric!r} is not one of {', '.join(METRIC_CHOICES)}")
         if value < 0 or (metric == "accuracy" and value > 100):
             raise UserError(f"--budget {text!r} is out of range; it must be between 0 and 100 accuracy points")
+        if metric != "accuracy" and value > MAX_NATS:
+            raise UserError(f"--budget {text!r} is out of range; a KL budget is at most {MAX_NATS:g} nats (0.02-0.1 "
+                            "is typical)")
         return Budget(value, metric, str(text))
 
     @property

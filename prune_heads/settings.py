@@ -121,6 +121,17 @@ def _budget(values: dict, flags: dict) -> Budget:
     return Budget.parse(values["budget"], explicit or recipe_metric)
 
 
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.IGNORECASE)
+
+
+def check_shard_size(text) -> str:
+    """--max-shard-size as save_pretrained takes it (a positive size such as 500MB or 5GB)."""
+    m = SIZE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"--max-shard-size {text!r} is not a positive size; write it like 500MB, 2GB or 1GiB")
+    return str(text).strip()
+
+
 def _refuse_conflicts(values: dict) -> None:
     """Flag combinations that cannot work, refused before anything loads."""
     v = values.get
@@ -161,6 +172,8 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     values["task"] = _task(values, flags)
     budget = _budget(values, flags)
     _refuse_conflicts({**values, "budget_metric": budget.metric})
+    if "max_shard_size" in values:
+        values["max_shard_size"] = check_shard_size(values["max_shard_size"])
     if isinstance(values.get("mmlu_subjects"), list):
         values["mmlu_subjects"] = tuple(values["mmlu_subjects"])
     names = {f.name for f in fields(Settings)} - {"model", "recipe", "budget"}

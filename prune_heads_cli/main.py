@@ -100,12 +100,23 @@ def export_options(f):
 
 
 def _quiet_libraries() -> None:
-    """--no-progress: the libraries' bars too (weights loading, GGUF conversion, downloads)."""
+    """--no-progress: the libraries' bars too (weights loading, GGUF conversion, downloads). transformers' GGUF
+    conversion calls a plain tqdm that no switch reaches, so that module's tqdm is given disable=True."""
+    import functools
+
     from huggingface_hub.utils import disable_progress_bars
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
     from transformers.utils import logging as hf_logging
 
     disable_progress_bars()
     hf_logging.disable_progress_bar()
+    if hasattr(gguf_loading, "tqdm"):
+        gguf_loading.tqdm = functools.partial(gguf_loading.tqdm, disable=True)
+
+
+def check_heads(heads: HeadSet, config) -> None:
+    """Head indices the model has, checked against its config before its weights load."""
+    heads.validate(config.num_hidden_layers, [config.num_attention_heads] * config.num_hidden_layers)
 
 
 def prepare(kw: dict, **extra):
@@ -210,7 +221,10 @@ def eval_cmd(ablate, **kw):
     from .commands import run_eval
 
     heads = HeadSet.load(ablate) if ablate else None
-    run_eval(*prepare(kw), kw["out"], kw["force"], heads)
+    settings, inputs = prepare(kw)
+    if heads:
+        check_heads(heads, inputs.config)
+    run_eval(settings, inputs, kw["out"], kw["force"], heads)
 
 
 @cli.command(name="export")
@@ -226,6 +240,7 @@ def export_cmd(heads_file, layout, max_shard_size, no_task_eval, **kw):
 
     heads = HeadSet.load(heads_file)
     settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size)
+    check_heads(heads, inputs.config)
     run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval)
 
 

@@ -159,6 +159,7 @@ def test_real_smollm2_end_to_end(tmp_path):
     assert json.loads((out / "heads.json").read_text()) == report["heads"]
     heal = report["export"]["healing"]
     assert heal["steps"] == 2 and heal["merge_max_abs_logit_diff"] < 1e-2 and len(heal["losses"]) == 2
+    assert "%|" not in proc.stderr and "it/s" not in proc.stderr  # --no-progress: GGUF conversion's bar too
 
 
 def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(model_dir, mmlu_file, tmp_path, capsys, monkeypatch):

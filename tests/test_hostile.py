@@ -11,12 +11,12 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_mmlu import _cais_file
+from tiny import run_cli, save_tiny
 
 from prune_heads.errors import UserError
 from prune_heads.readers import read_heads, read_recipe
 from prune_heads.search import Budget
-from test_mmlu import _cais_file
-from tiny import run_cli, save_tiny
 
 
 def _snapshot(directory):
@@ -82,6 +82,7 @@ def test_corrupt_gguf(tmp_path, case, content):
     ({"num_attention_heads": 0}, "num_attention_heads"),
     ({"num_attention_heads": -4}, "num_attention_heads"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"num_key_value_heads": 4}, "does not divide"),
     ({"num_hidden_layers": 10 ** 9}, "num_hidden_layers"),
     ({"num_hidden_layers": 2}, "num_hidden_layers"),
     ({"head_dim": 7}, "head_dim"),
@@ -112,9 +113,6 @@ def test_non_utf8_text_files_name_the_line(tmp_path, case, flag):
     args = ["score" if flag == "--calibration" else "eval", "--model", "MODEL", flag, f, "--out", tmp_path / "o"]
     if flag != "--mmlu":
         args += ["--mmlu", "MMLU"]
-    if flag == "--kl-text":
-        args += ["--metric", "kl-text", "--budget", "0.1nat"]
-        args[0] = "eval"
     case(args, "line 2, column 8, is not UTF-8")
 
 
@@ -203,7 +201,7 @@ def test_unwritable_or_special_out(tmp_path, case, out):
 
 @pytest.mark.parametrize("content,expect", [
     ("{not json", "not valid JSON"),
-    ("[1, 2]", "is a JSON list"),
+    ("[1, 2]", "holds a list, not a mapping"),
     ('{"peft_type": 7}', "peft_type"),
     ('{"peft_type": "PREFIX_TUNING"}', "only LoRA"),
 ])
@@ -216,10 +214,10 @@ def test_malformed_adapter_configs(tmp_path, model_dir, case, content, expect):
 
 
 def test_push_without_a_network_is_one_line(tmp_path, model_dir, capsys, monkeypatch):
-    from prune_heads.heads import HeadSet
     from tiny import tiny_model
 
     from exporters.export import export_pruned
+    from prune_heads.heads import HeadSet
 
     d = tmp_path / "export"
     d.mkdir()
@@ -281,3 +279,27 @@ def test_recipe_reader_returns_a_checked_mapping_or_one_line(tmp_path, value):
     assert isinstance(data, dict)
     if "batch_size" in data and not isinstance(data["batch_size"], dict) and data["batch_size"] is not None:
         assert type(data["batch_size"]) is int and data["batch_size"] > 0
+
+
+def test_no_progress_silences_every_bar_the_libraries_included(tmp_path, model_dir):
+    import subprocess
+    import sys
+
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
+
+    def export(out, *extra):
+        return subprocess.run([sys.executable, "-m", "prune_heads_cli", "export", "--model", str(model_dir), "--heads",
+                               str(_heads(tmp_path)), "--mmlu", str(mmlu), "--out", str(out), *extra],
+                              capture_output=True, text=True, timeout=600)
+
+    quiet = export(tmp_path / "o", "--no-progress")
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "it/s" not in quiet.stderr and "%|" not in quiet.stderr, quiet.stderr[-2000:]
+    loud = export(tmp_path / "loud")
+    assert loud.returncode == 0 and "%|" in loud.stderr  # the bars exist, and --no-progress is what removed them
+
+
+def _heads(tmp_path):
+    f = tmp_path / "heads.json"
+    f.write_text(json.dumps({"0": [0, 1]}))
+    return f

@@ -5,15 +5,19 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
+from ..readers import read_text
 
 
 def load_calibration(path: str | Path, limit: int | None = None) -> list[str]:
     path = Path(path)
-    if not path.is_file():
+    if path.is_file():
+        lines = [ln for ln in read_text(path, "calibration file").splitlines() if ln.strip()]
+    elif not path.exists():
         raise UserError(
             f"calibration file {path} does not exist; pass a .jsonl file with a 'text' field or a text file"
         )
-    lines = [ln for ln in path.read_text(encoding="utf-8", errors="strict").splitlines() if ln.strip()]
+    else:
+        raise UserError(f"calibration file {path} is not a regular file; pass a text or .jsonl file")
     if not lines:
         raise UserError(f"calibration file {path} is empty; it needs at least one non-empty line of text")
     is_jsonl = path.suffix == ".jsonl" or lines[0].lstrip().startswith("{")

