@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from .models.adapters import ArchAdapter
 
 LAYOUTS = ("auto", "uniform", "per-layer", "masked")
+OBJECTIVES = ("params", "kv-cache", "flops", "heads")  # --objective: what the chosen point maximises
+FLOPS_CONTEXT = 2048  # attention FLOPs per token are stated for a token attending to this many positions
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,54 @@ class Planner:
             why += (f"; uniform would pad every layer to {options['uniform']['shapes'][0]} and keep {saved:,} more "
                     "attention parameters")
         return LayoutChoice("per-layer", exact, why + " (loads with trust_remote_code=True)", options)
+
+
+def attention_flops_per_token(plan: PrunePlan, hidden_size: int, context: int = FLOPS_CONTEXT) -> int:
+    """Multiply-adds x 2 of one token through every layer's attention: the q/k/v/o projections, and the scores and
+    the weighted sum of values over ``context`` positions (per query slot)."""
+    return sum(2 * hidden_size * lp.geometry.head_dim * (2 * lp.num_heads + 2 * lp.num_kv_heads)
+               + 4 * lp.num_heads * lp.geometry.head_dim * context for lp in plan.layers)
+
+
+def zeroed_params(heads: HeadSet, geometries, hidden_size: int) -> int:
+    """q, k, v, o weight parameters of the zeroed heads: q and o of each head, k and v of each KV group zeroed whole."""
+    total = 0
+    for layer, geo in enumerate(geometries):
+        removed = set(heads.heads(layer))
+        whole = sum(all(h in removed for h in range(k * geo.group_size, (k + 1) * geo.group_size))
+                    for k in range(geo.num_kv_heads))
+        total += hidden_size * geo.head_dim * 2 * (len(removed) + whole)
+    return total
+
+
+def shipped(planner: Planner, heads: HeadSet, layout: str) -> dict:
+    """What the model that ships for ``heads`` under ``layout`` saves against the original, and the deployment
+    efficiency: attention parameters removed from the export / q, k, v, o parameters of the heads zeroed."""
+    hidden = planner.config.hidden_size
+    choice = planner.choose(heads, layout)
+    original = plan_masked(HeadSet(), planner.geometries)
+    before, after = planner.costs(original), planner.costs(choice.plan)
+    flops_before = attention_flops_per_token(original, hidden)
+    flops_after = flops_before if choice.layout == "masked" else attention_flops_per_token(choice.plan, hidden)
+    zeroed = zeroed_params(heads, planner.geometries, hidden)
+    removed = before["attention_params"] - after["attention_params"]
+    return {"layout": choice.layout, "query_slots": after["query_heads"] if choice.layout != "masked"
+            else before["query_heads"], "kv_heads": after["kv_heads"],
+            "attention_params": after["attention_params"], "attention_params_removed": removed,
+            "kv_cache_bytes_per_token": after["kv_cache_bytes_per_token"],
+            "kv_cache_removed": before["kv_cache_bytes_per_token"] - after["kv_cache_bytes_per_token"],
+            "attention_flops_per_token": flops_after, "attention_flops_removed": flops_before - flops_after,
+            "flops_context": FLOPS_CONTEXT, "zeroed_params": zeroed,
+            "deployment_efficiency": round(removed / zeroed, 6) if zeroed else 1.0}
+
+
+def objective_value(objective: str, point) -> float:
+    """The quantity ``--objective`` maximises, for a search point carrying its shipped savings."""
+    if objective == "heads" or point.shipped is None:
+        return point.num_heads
+    key = {"params": "attention_params_removed", "kv-cache": "kv_cache_removed",
+           "flops": "attention_flops_removed"}[objective]
+    return point.shipped[key]
 
 
 def plan_for(lm, heads: HeadSet, layout: str) -> LayoutChoice:

@@ -209,3 +209,37 @@ def study_ranking(study: dict, path: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3, axis="x")
     ax.set_title(title or "score functions ranked", fontsize=10)
     return _save(fig, path)
+
+
+def shipped_curve(points: list[dict], budget, path: Path, title: str = "") -> Path:
+    """What the budget limits (accuracy drop, answer KL or text KL) against the saving of the model that ships: %
+    of attention parameters removed (left) and % of KV cache removed (right), chosen point starred."""
+    pts = sorted((p for p in points if p.get("shipped")), key=lambda p: p["shipped"]["attention_params_removed"])
+    if not pts:
+        return path
+    key = {"kl": "kl_answer_nats", "kl-text": "kl_text_nats"}.get(budget.metric)
+    y = [p.get(key, float("nan")) if key else -p["delta_points"] for p in pts]
+    total = pts[0]["shipped"]["attention_params"] + pts[0]["shipped"]["attention_params_removed"]
+    kv_total = pts[0]["shipped"]["kv_cache_bytes_per_token"] + pts[0]["shipped"]["kv_cache_removed"]
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=True)
+    for ax, field, denominator, label in ((axes[0], "attention_params_removed", total, "attention parameters"),
+                                          (axes[1], "kv_cache_removed", kv_total, "KV cache per token")):
+        x = [100 * p["shipped"][field] / denominator for p in pts]
+        ax.plot(x, y, "o", color="tab:blue", label="evaluated point")
+        over = [(xi, yi) for xi, yi, p in zip(x, y, pts) if not p.get("within_budget", True)]
+        if over:
+            ax.plot(*zip(*over), "x", color="tab:red", markersize=9, mew=2, label="over budget")
+        chosen = [(xi, yi) for xi, yi, p in zip(x, y, pts) if p.get("chosen")]
+        if chosen:
+            ax.plot(*zip(*chosen), "*", color="tab:red", markersize=14, label="chosen")
+        ax.axhline(budget.points, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget})")
+        ax.set_xlabel(f"% of {label} removed in the export")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel({"kl": "answer KL (nats)", "kl-text": "next-token KL (nats)"}.get(budget.metric,
+                                                                                       "accuracy drop (points)"))
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(title or "budget vs shipped saving", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

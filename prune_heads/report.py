@@ -118,7 +118,8 @@ def final_summary(selection, baseline: EvalResult, gqa: str) -> dict:
     return {**accuracy_summary(result), **selection.delta.to_json(),
             "kl_answer_nats": round(float(answer_kl(result, baseline).mean()), 6), **kl_text,
             "agreement": round(agreement(result, baseline), 6), "num_heads_removed": len(heads),
-            "fraction_removed": round(len(heads) / selection.total, 6), "gqa": gqa}
+            "fraction_removed": round(len(heads) / selection.total, 6), "gqa": gqa,
+            **({"shipped": selection.shipped} if selection.shipped else {})}
 
 
 def prune_report(run, scores, calibration: str, verifier, selection, gqa_options: dict, warnings: list[str]) -> dict:
@@ -134,6 +135,7 @@ def prune_report(run, scores, calibration: str, verifier, selection, gqa_options
         "budget": {"text": budget.text, "metric": budget.metric, "points": budget.points,
                    "definition": budget_definition(budget, s.task)},
         "scorer": s.scorer,
+        "search": {"units": s.units, "objective": s.objective, "layout": verifier.layout},
         **scores_payload(scores, calibration),
         "baseline": accuracy_summary(verifier.baseline),
         "final": final_summary(selection, verifier.baseline, s.gqa),

@@ -14,6 +14,7 @@ from typing import Callable
 from .errors import UserError
 from .evaluation import EvalResult, PairedDelta, agreement, answer_kl, paired_delta, restricted
 from .heads import HeadSet
+from .units import UnitRanking, head_units
 
 DEFAULT_GRID = (0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50)
 
@@ -121,6 +122,8 @@ class SearchPoint:
     result: EvalResult = field(repr=False, compare=False, default=None)  # per-question results (not in to_json)
     kl: float = 0.0  # mean KL(unablated || ablated) over the four answer letters, nats
     agreement: float = 1.0  # share of questions answered as the unablated model does
+    units: int = 0  # removal units in the prefix (units.py); equal to num_heads for per-head units
+    shipped: dict | None = None  # what the model that ships for these heads saves (planning.Planner.shipped)
 
     @property
     def kl_text(self) -> float | None:
@@ -140,6 +143,8 @@ class SearchPoint:
             **({"stopped_early": True} if self.result is not None and self.result.meta.get("stopped_early") else {}),
             "within_budget": self.within_budget,
             "stage": self.stage,
+            "units": self.units,
+            **({"shipped": self.shipped} if self.shipped is not None else {}),
         }
 
 
@@ -153,34 +158,38 @@ class SearchResult:
 
 
 class _Evaluated:
-    """Each prefix size evaluated once, in the order asked; coarse-grid sizes optionally prefetched together."""
+    """Each prefix of the unit ranking evaluated once, in the order asked; coarse-grid prefixes optionally prefetched
+    together. ``describe(heads)`` adds what the shipped model saves to each point."""
 
-    def __init__(self, ranking, evaluate_heads, baseline, budget, on_point, evaluate_group):
+    def __init__(self, ranking: UnitRanking, evaluate_heads, baseline, budget, on_point, evaluate_group, describe):
         self.ranking, self.evaluate_heads, self.baseline, self.budget = ranking, evaluate_heads, baseline, budget
-        self.on_point, self.evaluate_group = on_point, evaluate_group
+        self.on_point, self.evaluate_group, self.describe = on_point, evaluate_group, describe
         self.result = SearchResult()
         self.done: dict[int, SearchPoint] = {}
         self.precomputed: dict[int, EvalResult] = {}
 
     def label(self, k: int) -> str:
-        return f"{k}/{len(self.ranking)} heads off"
+        if all(u.kind == "head" for u in self.ranking.units):
+            return f"{k}/{len(self.ranking)} heads off"
+        return f"{self.ranking.num_heads(k)}/{self.ranking.total_heads} heads off ({k} units)"
 
     def prefetch(self, ks: list[int]) -> None:
         todo = [k for k in ks if k not in self.done and k not in self.precomputed and k > 0]
         if self.evaluate_group is None or len(todo) < 2:
             return
-        sets = [HeadSet.from_pairs(self.ranking[:k]) for k in todo]
+        sets = [self.ranking.heads(k) for k in todo]
         for k, res in zip(todo, self.evaluate_group(sets, [self.label(k) for k in todo])):
             self.precomputed[k] = res
 
     def point(self, k: int, stage: str) -> SearchPoint:
         if k in self.done:
             return self.done[k]
-        heads = HeadSet.from_pairs(self.ranking[:k])
+        heads = self.ranking.heads(k)
         res = (self.baseline if k == 0 else self.precomputed.pop(k, None)
                or self.evaluate_heads(heads, self.label(k)))
         delta, kl, agree, ok = judge(self.budget, res, self.baseline)
-        p = SearchPoint(k, k / len(self.ranking), heads, res.accuracy, delta, ok, stage, res, kl, agree)
+        p = SearchPoint(len(heads), len(heads) / self.ranking.total_heads, heads, res.accuracy, delta, ok, stage, res,
+                        kl, agree, k, self.describe(heads) if self.describe else None)
         self.done[k] = p
         self.result.points.append(p)
         if self.on_point:
@@ -189,7 +198,7 @@ class _Evaluated:
 
 
 def search_budget(
-    ranking: list[tuple[int, int]],
+    ranking: "list[tuple[int, int]] | UnitRanking",
     evaluate_heads: Callable[[HeadSet, str], EvalResult],
     baseline: EvalResult,
     budget: Budget,
@@ -199,12 +208,18 @@ def search_budget(
     on_point: Callable[[SearchPoint], None] | None = None,
     evaluate_group: Callable[[list[HeadSet], list[str]], list[EvalResult]] | None = None,
     parallel: int = 1,
+    describe: Callable[[HeadSet], dict] | None = None,
+    objective: Callable[[SearchPoint], float] | None = None,
 ) -> SearchResult:
-    """``evaluate_group`` with ``parallel > 1`` evaluates that many coarse-grid points in the same forward passes
-    (points past the stopping rule that were evaluated anyway stay on the curve)."""
-    points = _Evaluated(ranking, evaluate_heads, baseline, budget, on_point, evaluate_group)
+    """Grow prefixes of ``ranking`` (removal units, or (layer, head) pairs: one unit each); the grid is in fractions
+    of all heads. ``evaluate_group`` with ``parallel > 1`` evaluates that many coarse-grid points in the same forward
+    passes (points past the stopping rule that were evaluated anyway stay on the curve). The chosen point is the
+    passing point that maximises ``objective`` (default: heads zeroed), the largest on ties."""
+    if not isinstance(ranking, UnitRanking):
+        ranking = UnitRanking(head_units(ranking), len(ranking))
+    points = _Evaluated(ranking, evaluate_heads, baseline, budget, on_point, evaluate_group, describe)
     points.point(0, "baseline")
-    sizes = sorted({max(1, round(f * len(ranking))) for f in grid if 0 < f <= 1})
+    sizes = sorted({ranking.prefix_for_fraction(f) for f in grid if 0 < f <= 1} - {0}) if len(ranking) else []
     best_k, fails_in_row, first_fail_above = 0, 0, None
     for i, k in enumerate(sizes):
         if parallel > 1 and i % parallel == 0:
@@ -227,5 +242,6 @@ def search_budget(
         else:
             hi = mid
     result = points.result
-    result.best = max((p for p in result.points if p.within_budget), key=lambda p: p.num_heads)
+    value = objective or (lambda p: p.num_heads)
+    result.best = max((p for p in result.points if p.within_budget), key=lambda p: (value(p), p.num_heads))
     return result

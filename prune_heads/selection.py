@@ -7,8 +7,9 @@ from typing import Callable
 
 from .evaluation import EvalResult, PairedDelta
 from .heads import HeadSet, ScoreTable, score_direction
-from .planning import balanced_selection
+from .planning import balanced_selection, objective_value, shipped
 from .search import SearchPoint, SearchResult, judge, search_budget
+from .units import UnitRanking, gqa_units, head_units
 from .verifier import Verifier
 
 
@@ -21,6 +22,7 @@ class Selection:
     delta: PairedDelta
     search: SearchResult
     total: int  # heads in the model
+    shipped: dict | None = None  # what the model that ships saves (planning.shipped)
 
     def points(self) -> list[dict]:
         return [dict(p.to_json(), chosen=p.heads == self.heads) for p in self.search.curve()]
@@ -31,7 +33,8 @@ def point_printer(echo: Callable[[str], None]) -> Callable[[SearchPoint], None]:
         if not p.num_heads:
             return
         mark = "within budget" if p.within_budget else "over budget"
-        echo(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%): {100 * p.accuracy:6.2f}%  "
+        ships = (f"  ships -{p.shipped['attention_params_removed']:,} attn params" if p.shipped else "")
+        echo(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%){ships}: {100 * p.accuracy:6.2f}%  "
              f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  "
              f"KL {p.kl:.4f} nat" + (f"  text KL {p.kl_text:.4f} nat" if p.kl_text is not None else "")
              + f"  agree {100 * p.agreement:5.1f}%  {mark}"
@@ -40,14 +43,32 @@ def point_printer(echo: Callable[[str], None]) -> Callable[[SearchPoint], None]:
     return on_point
 
 
+def unit_ranking(scores: ScoreTable, scorer: str, verifier: Verifier, settings) -> UnitRanking:
+    """The removal units of ``--units``, most dormant first: per-head (the paper's), or GQA slices and groups
+    (uniform across layers for ``--layout uniform``; whole groups only for ``--objective kv-cache``)."""
+    geometries = verifier.planner.geometries
+    total = sum(g.num_heads for g in geometries)
+    if settings.units == "heads":
+        return UnitRanking(head_units(scores.ranking(scorer)), total)
+    units = gqa_units(scores.mean(scorer), score_direction(scorer) == "low", geometries,
+                      uniform=settings.layout == "uniform", slices=settings.objective != "kv-cache")
+    return UnitRanking(units, total)
+
+
 def select_heads(scores: ScoreTable, scorer: str, verifier: Verifier, settings, echo) -> Selection:
-    """The largest prefix of the scorer's dormant-first ranking within budget (then balanced with --gqa balanced)."""
-    ranking = scores.ranking(scorer)
+    """The passing prefix of the unit ranking that maximises --objective in the model that ships (then balanced
+    with --units heads --gqa balanced)."""
+    ranking = unit_ranking(scores, scorer, verifier, settings)
+    layout = verifier.layout
+
+    def describe(heads: HeadSet) -> dict:
+        return shipped(verifier.planner, heads, layout)
+
     search = search_budget(ranking, verifier.evaluate, verifier.baseline, verifier.budget, settings.grid,
                            settings.patience, settings.refine_steps, point_printer(echo), verifier.evaluate_group,
-                           settings.parallel)
+                           settings.parallel, describe, lambda p: objective_value(settings.objective, p))
     best = search.best
-    selection = Selection(best.heads, best.result, best.delta, search, len(ranking))
+    selection = Selection(best.heads, best.result, best.delta, search, ranking.total_heads, best.shipped)
     if settings.gqa == "balanced" and best.heads:
         selection = balance_groups(selection, scores.mean(scorer), score_direction(scorer) == "low", verifier, echo)
     return selection
@@ -65,10 +86,11 @@ def balance_groups(selection: Selection, scores, dormant_low: bool, verifier: Ve
         delta, kl, agree, ok = judge(verifier.budget, result, verifier.baseline)
         echo(f"  balanced selection: {len(heads)} heads, delta {delta.delta:+.2f} pt "
              f"({'within' if ok else 'over'} budget)")
+        saved = shipped(verifier.planner, heads, verifier.layout)
         selection.search.points.append(SearchPoint(len(heads), len(heads) / total, heads, result.accuracy, delta, ok,
-                                                   "balanced", result, kl, agree))
+                                                   "balanced", result, kl, agree, len(heads), saved))
         if ok or not heads:
-            return Selection(heads, result, delta, selection.search, selection.total)
+            return Selection(heads, result, delta, selection.search, selection.total, saved)
         worst = max(per_layer, key=lambda i: per_layer[i])
         per_layer[worst] -= 1
 

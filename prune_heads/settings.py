@@ -48,7 +48,9 @@ class Settings:
     revision: str | None = None
     progress: bool = True
     layout: str = "auto"  # export layout: auto | uniform | per-layer | masked
-    gqa: str = "exact"  # exact: keep the selection, copy KV heads as needed | balanced: same count removed per group
+    units: str = "gqa"  # what the search removes: gqa (slices and whole KV groups, units.py) | heads (the paper's)
+    objective: str = "params"  # what the chosen point maximises: params | kv-cache | flops | heads
+    gqa: str = "exact"  # with --units heads: exact (copy KV heads as needed) | balanced (same count per group)
     max_shard_size: str = "2GB"
     export: bool = True
     resume: bool = False
@@ -147,6 +149,11 @@ def _refuse_conflicts(values: dict) -> None:
          "--heal-steps needs a physical layout (--layout auto, uniform or per-layer): a masked export keeps the "
          "removed heads' weights, which healing would train"),
         (v("heal_steps") and v("export") is False, "--heal-steps heals the exported model; drop --no-export"),
+        (v("gqa") == "balanced" and v("units") == "gqa",
+         "--gqa balanced re-balances a per-head selection; --units gqa already removes whole slices and groups: "
+         "drop --gqa, or pass --units heads"),
+        (v("objective") == "kv-cache" and v("units") == "heads",
+         "--objective kv-cache needs whole KV groups to go; use --units gqa (the default)"),
         (v("lora_adapter") and v("export") is False,
          "--adapter slices the adapter to fit the export; drop --no-export"),
     ]

@@ -75,6 +75,11 @@ def _prune_report(run: Run, scores, calibration, verifier: Verifier, selection: 
     echo(f"{len(selection.heads)} of {selection.total} heads ({100 * len(selection.heads) / selection.total:.1f}%) "
          f"are within a {s.budget} budget on {s.task} (delta {d.delta:+.2f} pt, 95% CI [{d.ci_low:+.2f}, "
          f"{d.ci_high:+.2f}])", fg="green")
+    if selection.shipped:
+        sh = selection.shipped
+        echo(f"the {sh['layout']} export removes {sh['attention_params_removed']:,} attention parameters (deployment "
+             f"efficiency {sh['deployment_efficiency']:.2f}), {sh['kv_cache_removed']:,} B/token of KV cache, "
+             f"{sh['attention_flops_removed']:,} attention FLOPs/token (objective: {s.objective})", fg="green")
     return prune_report(run, scores, calibration, verifier, selection, gqa, warnings)
 
 
@@ -86,6 +91,8 @@ def _write_selection(run: Run, scores: ScoreTable, selection: Selection, report:
     plots.search_curve(report["points"], baseline.accuracy, s.budget.points, stage / "accuracy_vs_heads.png",
                        f"{spec}: {METRIC_NAMES.get(s.metric, s.task)} vs heads ablated by {s.scorer}",
                        metric=s.metric)
+    plots.shipped_curve(report["points"], s.budget, stage / "budget_vs_shipped.png",
+                        f"{spec}: {METRIC_NAMES.get(s.metric, s.task + ' accuracy')} vs what the export saves")
 
 
 def _export(run: Run, verifier: Verifier, selection: Selection, report: dict) -> ExportResult:

@@ -156,9 +156,15 @@ def prepare(kw: dict, **extra):
               "choices; kl-text, the mean next-token KL on held-out text. Both KLs have signal at chance level.")
 @click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
 @export_options
+@click.option("--units", type=click.Choice(["gqa", "heads"]), default="gqa", show_default=True,
+              help="What the search removes: gqa, one head from every KV group of a layer or a whole KV group at a "
+                   "time (zeroed = removed in the export); heads, single heads by score (the paper's ranking).")
+@click.option("--objective", type=click.Choice(["params", "kv-cache", "flops", "heads"]), default="params",
+              show_default=True, help="What the chosen point maximises within budget, in the model that ships: "
+              "attention parameters, KV cache, attention FLOPs removed, or heads zeroed (the paper's count).")
 @click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
-              help="exact: keep the selection, copy KV heads so groups stay equal; balanced: remove the same number "
-                   "of heads from every KV group (re-verified against the budget).")
+              help="With --units heads: exact keeps the selection and copies KV heads so groups stay equal; balanced "
+                   "removes the same number of heads from every KV group (re-verified against the budget).")
 @click.option("--no-export", is_flag=True, help="Stop after the search: report and heads.json, no pruned model.")
 @click.option("--adapter", type=click.Path(file_okay=False), help="A peft LoRA adapter of this base: score and verify "
               "base+adapter, prune the base, and write the sliced adapter to OUT/adapter.")
@@ -172,8 +178,8 @@ def prepare(kw: dict, **extra):
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa, no_export, adapter, heal_steps,
-        heal_data, heal_in_search, push_to, private, **kw):
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, units, objective, gqa, no_export, adapter,
+        heal_steps, heal_data, heal_in_search, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     (or --task's, or the answer KL) within --budget, remove those heads, and write the verified smaller
     model, report, heads.json and plots to --out.
@@ -197,7 +203,8 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, gqa,
     if private and not push_to:
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
     settings, inputs = prepare(kw, budget=budget, metric=metric, scorer=scorer, layout=layout,
-                               max_shard_size=max_shard_size, gqa=gqa, export=not no_export, lora_adapter=adapter,
+                               max_shard_size=max_shard_size, units=units, objective=objective, gqa=gqa,
+                               export=not no_export, lora_adapter=adapter,
                                heal_steps=heal_steps, heal_data=heal_data, heal_in_search=heal_in_search)
     run_prune(settings, inputs, kw["out"], kw["force"])
     if push_to:

@@ -1,0 +1,171 @@
+"""Removal units (units.py): every prefix the search can choose is removed for real in the export, for groups of
+2, 4, 6 and 7 query heads per KV head; the objective picks what ships; the uniform search ships a stock config."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_mmlu import _cais_file
+from tiny import run_cli, save_tiny, tiny_model
+
+from prune_heads.heads import HeadSet
+from prune_heads.planning import Planner, plan_masked, shipped
+from prune_heads.search import Budget, search_budget
+from prune_heads.units import UnitRanking, gqa_units
+
+
+def _planner(lm):
+    return Planner(lm.arch.geometries(lm.model), lm.arch, lm.config, 4)
+
+
+def _scores(lm, seed=0):
+    geo = lm.arch.geometries(lm.model)
+    return torch.rand(len(geo), geo[0].num_heads, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("group", [2, 4, 6, 7])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_every_prefix_of_gqa_units_ships_what_it_zeroes(group, uniform):
+    lm = tiny_model("mistral", num_attention_heads=2 * group, num_key_value_heads=2)
+    planner = _planner(lm)
+    units = gqa_units(_scores(lm, group), True, planner.geometries, uniform=uniform)
+    ranking = UnitRanking(units, sum(g.num_heads for g in planner.geometries))
+    layout = "uniform" if uniform else "per-layer"
+    for k in range(1, len(ranking) + 1):
+        heads = ranking.heads(k)
+        s = shipped(planner, heads, layout)
+        assert s["deployment_efficiency"] >= 0.999, (k, s)
+        shapes = planner.choose(heads, layout).plan.shapes
+        assert all(h > 0 and kv > 0 and h % kv == 0 for h, kv in shapes)
+        if uniform:
+            assert len(set(shapes)) == 1
+
+
+def test_per_head_selections_waste_what_units_do_not():
+    """The old failure: two heads out of one group of six save nothing in the export."""
+    lm = tiny_model("llama", num_attention_heads=12, num_key_value_heads=2)
+    planner = _planner(lm)
+    two_of_one_group = HeadSet.of({0: [0, 1]})
+    assert shipped(planner, two_of_one_group, "per-layer")["attention_params_removed"] == 0
+    slice_ = HeadSet.of({0: [0, 6]})  # one head from each of the two groups
+    assert shipped(planner, slice_, "per-layer")["deployment_efficiency"] == 1.0
+    group = HeadSet.of({0: list(range(6))})
+    s = shipped(planner, group, "per-layer")
+    assert s["deployment_efficiency"] == 1.0 and s["kv_cache_removed"] > 0
+
+
+def test_unit_order_respects_layers_and_scores():
+    lm = tiny_model("llama")
+    planner = _planner(lm)
+    scores = _scores(lm)
+    units = gqa_units(scores, True, planner.geometries)
+    assert [u.score for u in units] == sorted(u.score for u in units)
+    for layer in range(len(planner.geometries)):
+        slices = [u for u in units if u.kind == "slice" and u.members[0][0] == layer]
+        assert len(slices) == 2 and all(len(u.members) == 2 for u in slices)  # groups of 3: two slices of 2 heads
+        for a, b in zip(slices, slices[1:]):
+            assert units.index(a) < units.index(b)
+    groups_only = gqa_units(scores, True, planner.geometries, slices=False)
+    assert {u.kind for u in groups_only} == {"group"} and all(len(u.members) == 3 for u in groups_only)
+
+
+def test_objective_picks_the_passing_point_that_ships_the_most():
+    """A per-head ranking whose larger prefix saves less in the export than a smaller one: --objective params picks
+    the smaller, --objective heads (the paper's) the larger."""
+    from prune_heads.evaluation import EvalResult
+    from prune_heads.planning import objective_value
+
+    lm = tiny_model("llama")
+    planner = _planner(lm)
+    ranking = [(0, 0), (0, 3), (1, 0), (1, 1)]  # two heads from different groups, then two from one group
+
+    def evaluate(heads, label):
+        return base
+
+    from prune_heads.data.tasks import Question
+
+    q = Question("s", 0, "q", ("a", "b", "c", "d"), 0)
+    base = EvalResult([q], torch.tensor([[0.0, -1.0, -1.0, -1.0]], dtype=torch.float64))
+    describe = lambda heads: shipped(planner, heads, "per-layer")  # noqa: E731
+    by_params = search_budget(ranking, evaluate, base, Budget(1.0), grid=(0.025, 0.05, 0.1), patience=1,
+                              refine_steps=3, describe=describe, objective=lambda p: objective_value("params", p))
+    by_heads = search_budget(ranking, evaluate, base, Budget(1.0), grid=(0.025, 0.05, 0.1), patience=1,
+                             refine_steps=3, describe=describe, objective=lambda p: objective_value("heads", p))
+    assert by_heads.best.num_heads >= by_params.best.num_heads
+    assert by_params.best.shipped["attention_params_removed"] >= by_heads.best.shipped["attention_params_removed"]
+    assert all("shipped" in p.to_json() for p in by_params.points)
+
+
+@pytest.fixture
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("units"), "llama")
+
+
+def _run(model_dir, tmp_path, capsys, *extra):
+    out = tmp_path / "run"
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=9)
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
+                            "--dtype", "float32", "--no-progress", "--budget", "100%", *extra], capsys)
+    assert code == 0, err
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_default_search_ships_what_it_zeroes(model_dir, tmp_path, capsys):
+    out, report = _run(model_dir, tmp_path, capsys)
+    final = report["final"]
+    assert report["search"] == {"units": "gqa", "objective": "params", "layout": "auto"}
+    assert final["num_heads_removed"] > 0 and final["shipped"]["deployment_efficiency"] >= 0.95
+    assert all(p["shipped"]["deployment_efficiency"] >= 0.95 for p in report["points"])
+    meta = json.loads((out / "prune_heads.json").read_text())
+    assert meta["stats"]["after"]["query_heads"] == final["shipped"]["query_slots"]
+    assert (out / "budget_vs_shipped.png").is_file()
+
+
+def test_kv_cache_objective_removes_whole_groups(model_dir, tmp_path, capsys):
+    _, report = _run(model_dir, tmp_path, capsys, "--objective", "kv-cache")
+    final = report["final"]
+    assert final["shipped"]["kv_cache_removed"] > 0 and final["shipped"]["deployment_efficiency"] == 1.0
+
+
+def test_uniform_search_ships_a_stock_config_equal_to_the_verified_ablation(model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from prune_heads.ablation import ablate
+
+    out, report = _run(model_dir, tmp_path, capsys, "--layout", "uniform")
+    config = json.loads((out / "config.json").read_text())
+    assert "auto_map" not in config and "per_layer_config" not in config and not (out / "modeling_pruned.py").exists()
+    assert config["num_attention_heads"] < 6  # fewer heads than the original in every layer
+    heads = HeadSet.of({int(k): v for k, v in report["heads"].items()})
+    assert len(heads.layers()) == 4  # the same units in every layer
+    lm = tiny_model("llama")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    lm.model = reference
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, lm.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ablate(lm, heads):
+        expected = reference(input_ids=ids).logits
+    with torch.no_grad():
+        got = exported(input_ids=ids).logits
+    assert torch.allclose(expected, got, atol=1e-4)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--units", "gqa", "--gqa", "balanced"], "--gqa balanced"),
+    (["--units", "heads", "--objective", "kv-cache"], "--objective kv-cache"),
+    (["--objective", "speed"], "--objective"),
+    (["--units", "layers"], "--units"),
+])
+def test_bad_unit_and_objective_flags(model_dir, tmp_path, capsys, args, expect):
+    code, _, err = run_cli(["--model", model_dir, "--out", tmp_path / "x", *args], capsys)
+    assert code == 2 and expect in err and len(err.strip().splitlines()) == 1
+
+
+def test_masked_layout_ships_nothing():
+    lm = tiny_model("llama")
+    planner = _planner(lm)
+    heads = HeadSet.of({0: [0, 3]})
+    s = shipped(planner, heads, "masked")
+    assert s["attention_params_removed"] == 0 and s["deployment_efficiency"] == 0.0
+    assert plan_masked(heads, planner.geometries).kind == "masked"
