@@ -29,6 +29,15 @@ def _summary_table(meta: dict) -> list[str]:
         f"| parameters | {before['parameters']:,} | {after['parameters']:,} |",
         f"| KV cache per token | {before['kv_cache_bytes_per_token']:,} B | {after['kv_cache_bytes_per_token']:,} B |",
     ]
+    speed = meta.get("speed") or {}
+    if "prefill_speedup" in speed:
+        pre, dec = speed["prefill_tokens_per_s"], speed["decode_tokens_per_s"]
+        where = f"{speed['device']}, {speed['dtype']}, batch {speed['batch']}"
+        lines += [f"| prefill tokens/s ({speed['prompt_tokens']}-token prompt; {where}) | {pre['original']:,.1f} | "
+                  f"{pre['shipped']:,.1f} (x{speed['prefill_speedup']:.2f}; FLOPs predict "
+                  f"x{speed['flops_predicted_prefill_speedup']:.2f}) |",
+                  f"| decode tokens/s ({where}) | {dec['original']:,.1f} | {dec['shipped']:,.1f} "
+                  f"(x{speed['decode_speedup']:.2f}) |"]
     task = meta.get("task_eval") or {}
     if task:
         ci = task.get("ci95_points", [float("nan")] * 2)

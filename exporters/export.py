@@ -32,6 +32,7 @@ from prune_heads.models.loading import LoadedModel
 from prune_heads.planning import LayoutChoice, Planner, planner_for
 from prune_heads.pruning import pruned_copy
 from prune_heads.readers import check_manifest, read_json
+from prune_heads.speed import measure_speed as measure
 from prune_heads.verify import bytes_per_value, compare_models, sample_prompts
 
 from .card import model_card
@@ -59,6 +60,7 @@ class ExportResult:
     verification: dict
     task_eval: dict | None
     manifest: dict = field(default_factory=dict)
+    speed: dict | None = None  # prefill/decode tokens/s of the export against the original (prune_heads.speed)
 
 
 def model_stats(model, shapes: list[tuple[int, int]], head_dim: int, dtype) -> dict:
@@ -80,7 +82,7 @@ def _check_disk(out: Path, model) -> None:
 
 def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "auto", max_shard_size: str = "2GB", *,
                   check: ExportCheck | None = None, info: dict | None = None, progress: bool = True, log=print,
-                  heal=None, planner: Planner | None = None) -> ExportResult:
+                  heal=None, planner: Planner | None = None, measure_speed: bool = True) -> ExportResult:
     """Write the pruned model into ``out`` (an existing, empty staging directory) and verify it there.
 
     ``heal(pruned_model, plan) -> (healed_model, record)`` (LoRA healing) runs on the physically pruned model once
@@ -97,17 +99,19 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
         f"(compared in {verification['compared_in']}, tolerance {verification['tolerance']:g})")
     reloaded = verification.pop("_model")
     task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
+    speed = _speed(lm, reloaded, log) if measure_speed else None
     del reloaded
     stats = export_stats(lm, pruned, choice, heads)
     del pruned
     meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
+    meta["speed"] = speed
     write_text(out / "README.md", model_card(meta))
     # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
     meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
                      if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
     meta["verified"] = True
     write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
-    return ExportResult(choice, stats, verification, task_eval, meta)
+    return ExportResult(choice, stats, verification, task_eval, meta, speed)
 
 
 def _pruned_model(lm: LoadedModel, choice: LayoutChoice, enc: EncodedTask | None, heal):
@@ -184,6 +188,18 @@ def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: Encoded
     result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source,
                                    lm.dtype, lm.device)
     return result
+
+
+def _speed(lm: LoadedModel, reloaded: LoadedModel, log) -> dict:
+    """The export timed against the original in this run (a few seconds); a failure is recorded, not fatal."""
+    try:
+        speed = measure(lm.model, reloaded.model, lm.arch, lm.config.vocab_size, lm.device)
+    except Exception as e:  # noqa: BLE001  (timing must never lose a verified export)
+        return {"skipped": f"{type(e).__name__}: {str(e)[:120]}"}
+    log(f"speed of the export against the original ({speed['dtype']}, {speed['device']}, batch {speed['batch']}): "
+        f"prefill x{speed['prefill_speedup']:.2f} (FLOPs predict x{speed['flops_predicted_prefill_speedup']:.2f}), "
+        f"decode x{speed['decode_speedup']:.2f}")
+    return speed
 
 
 def _files_digest(out: Path) -> str:

@@ -114,7 +114,7 @@ def _export(run: Run, verifier: Verifier, selection: Selection, report: dict) ->
     report["export"] = {"layout": result.choice.layout, "reason": result.choice.reason,
                         "options": result.choice.options, "stats": result.stats,
                         "verification": result.verification, "task_eval": result.task_eval,
-                        "healing": result.manifest.get("healing")}
+                        "healing": result.manifest.get("healing"), "speed": result.speed}
     return result
 
 

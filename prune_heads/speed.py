@@ -1,0 +1,71 @@
+"""The speed-up of the model that ships, measured in the run: prefill and decode tokens/s of the reloaded export
+against the original, in alternating rounds (so drift in the machine's speed hits both alike), median of the
+per-round ratios, beside the speed-up the FLOPs predict."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _timed(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds for ``ids``, decode seconds for ``new_tokens`` greedy steps on the KV cache)."""
+    device = ids.device
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    _sync(device)
+    prefill = time.perf_counter() - start
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    return prefill, time.perf_counter() - start
+
+
+def flops_per_token(model, arch, context: int) -> int:
+    """2 x (weights a token passes through, embeddings aside) + the attention scores and mixing over ``context``
+    (4 x query width x context per layer; a layer without attention adds none)."""
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    if getattr(model.config, "tie_word_embeddings", False):
+        params += model.get_output_embeddings().weight.numel()  # the LM head still multiplies
+    attention = 0
+    for i in range(arch.num_layers(model)):
+        attn = arch.attention(model, i)
+        if hasattr(attn, "o_proj") or hasattr(attn, "qkv_proj"):
+            attention += 4 * arch.output_projection(attn).in_features * context
+    return 2 * params + attention
+
+
+def measure_speed(original, shipped, arch, vocab_size: int, device: torch.device, batch: int = 1, prompt: int = 128,
+                  new_tokens: int = 16, rounds: int = 3) -> dict:
+    """Prefill and decode throughput of ``shipped`` against ``original`` (tokens/s, median over alternating rounds)
+    and the ratios, with the FLOP-predicted prefill speed-up at this prompt length."""
+    ids = torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    models = {"original": original, "shipped": shipped}
+    for model in models.values():
+        _timed(model, ids[:, :8], 2)  # warm-up: kernels, allocator
+    times = {name: [] for name in models}
+    for r in range(rounds):
+        for name in (("original", "shipped") if r % 2 == 0 else ("shipped", "original")):
+            times[name].append(_timed(models[name], ids, new_tokens))
+    prefill = {n: [batch * prompt / t[0] for t in ts] for n, ts in times.items()}
+    decode = {n: [batch * new_tokens / t[1] for t in ts] for n, ts in times.items()}
+    ratio = lambda d: statistics.median(s / o for s, o in zip(d["shipped"], d["original"]))  # noqa: E731
+    predicted = flops_per_token(original, arch, prompt) / flops_per_token(shipped, arch, prompt)
+    return {"device": device.type, "dtype": str(next(original.parameters()).dtype).replace("torch.", ""),
+            "batch": batch, "prompt_tokens": prompt, "decode_tokens": new_tokens, "rounds": rounds,
+            "prefill_tokens_per_s": {n: round(statistics.median(v), 2) for n, v in prefill.items()},
+            "decode_tokens_per_s": {n: round(statistics.median(v), 2) for n, v in decode.items()},
+            "prefill_speedup": round(ratio(prefill), 4), "decode_speedup": round(ratio(decode), 4),
+            "flops_predicted_prefill_speedup": round(predicted, 4),
+            "weight_bytes": {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in models.items()}}
