@@ -1,4 +1,5 @@
-"""Benchmark 4: the README's main command on the embedded model, end to end: wall time and peak memory.
+"""Benchmark 4: the README's main command on the embedded model, end to end: wall time and peak memory, and what
+the export ships (attention parameters removed, deployment efficiency, KV cache) with its measured speed-up.
 
     python benchmarks/bench_pipeline.py [extra prune-heads flags...]
 
@@ -54,8 +55,16 @@ def main() -> None:
         f"search: {len(searched)} points, {sum(1 for p in searched if p.get('stopped_early'))} stopped early; "
         f"{evaluated} question evaluations of {len(searched) * total} without early stop"
     )
+    shipped, speed = report["final"].get("shipped") or {}, (report.get("export") or {}).get("speed") or {}
     shutil.rmtree(out.parent, ignore_errors=True)
     result("pipeline_seconds", round(seconds, 1))
+    result("heads_zeroed", report["final"]["num_heads_removed"])
+    result("shipped_attention_params_removed", shipped.get("attention_params_removed"))
+    result("deployment_efficiency", shipped.get("deployment_efficiency"))
+    result("shipped_kv_cache_removed_bytes_per_token", shipped.get("kv_cache_removed"))
+    result("export_prefill_speedup", speed.get("prefill_speedup"))
+    result("export_decode_speedup", speed.get("decode_speedup"))
+    result("export_flops_predicted_prefill_speedup", speed.get("flops_predicted_prefill_speedup"))
     result("pipeline_peak_rss_mb", round(peak_mb))
     result("early_stop_question_fraction", round(evaluated / max(1, len(searched) * total), 3))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -25,9 +26,11 @@ def _timed(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
     prefill = time.perf_counter() - start
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     start = time.perf_counter()
-    for _ in range(new_tokens):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    with warnings.catch_warnings():  # 5.2x renames past_key_values to cache; older versions know only the former
+        warnings.simplefilter("ignore", FutureWarning)
+        for _ in range(new_tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     _sync(device)
     return prefill, time.perf_counter() - start
 
@@ -46,8 +49,8 @@ def flops_per_token(model, arch, context: int) -> int:
     return 2 * params + attention
 
 
-def measure_speed(original, shipped, arch, vocab_size: int, device: torch.device, batch: int = 1, prompt: int = 128,
-                  new_tokens: int = 16, rounds: int = 3) -> dict:
+def measure_speed(original, shipped, arch, vocab_size: int, device: torch.device, batch: int = 1, prompt: int = 256,
+                  new_tokens: int = 32, rounds: int = 5) -> dict:
     """Prefill and decode throughput of ``shipped`` against ``original`` (tokens/s, median over alternating rounds)
     and the ratios, with the FLOP-predicted prefill speed-up at this prompt length."""
     ids = torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
