@@ -133,7 +133,7 @@ def prune_report(run, scores, calibration: str, verifier, selection, gqa_options
         "versions": versions(),
         "task": task_summary(run, verifier.kl_sequences, verifier.kl_source),
         "budget": {"text": budget.text, "metric": budget.metric, "points": budget.points,
-                   "definition": budget_definition(budget, s.task)},
+                   "decision": budget.rule, "definition": budget_definition(budget, s.task)},
         "scorer": s.scorer,
         "search": {"units": s.units, "objective": s.objective, "layout": verifier.layout},
         **scores_payload(scores, calibration),

@@ -36,6 +36,7 @@ class Budget:
     points: float
     metric: str = "accuracy"
     text: str = field(default="", compare=False)  # as the user wrote it (reports quote it)
+    rule: str = field(default="point", compare=False)  # --decision: point (the paper's) | confident (non-inferiority)
 
     @staticmethod
     def parse(text: str | float, metric: str | None = None) -> "Budget":
@@ -68,21 +69,26 @@ class Budget:
     def in_nats(self) -> bool:
         return self.metric in ("kl", "kl-text")
 
-    def allows(self, delta: PairedDelta, kl: float = 0.0, kl_text: float | None = None) -> bool:
+    def allows(self, delta: PairedDelta, kl: float = 0.0, kl_text: float | None = None, kl_se: float = 0.0,
+               kl_text_se: float = 0.0, z: float = 1.96) -> bool:
+        """``point``: the estimate is within budget. ``confident``: the one-sided 97.5% bound is (for accuracy the
+        lower end of the paired difference's 95% interval, for a KL the mean plus 1.96 standard errors)."""
+        sure = self.rule == "confident"
         if self.metric == "kl":
-            return kl <= self.points + 1e-12
+            return kl + (z * kl_se if sure else 0.0) <= self.points + 1e-12
         if self.metric == "kl-text":
             if kl_text is None:
                 raise ValueError("a kl-text budget needs the next-token KL of every evaluated point")
-            return kl_text <= self.points + 1e-12
-        return delta.delta >= -self.points - 1e-9
+            return kl_text + (z * kl_text_se if sure else 0.0) <= self.points + 1e-12
+        return (delta.ci_low if sure else delta.delta) >= -self.points - 1e-9
 
     def __str__(self) -> str:
+        sure = " (confident: 97.5% bound)" if self.rule == "confident" else ""
         if self.metric == "kl":
-            return f"{self.points:g} nats of answer KL"
+            return f"{self.points:g} nats of answer KL{sure}"
         if self.metric == "kl-text":
-            return f"{self.points:g} nats of next-token KL on held-out text"
-        return f"{self.points:g} accuracy points"
+            return f"{self.points:g} nats of next-token KL on held-out text{sure}"
+        return f"{self.points:g} accuracy points{sure}"
 
 
 def judge(budget: Budget, result: EvalResult, baseline: EvalResult) -> tuple[PairedDelta, float, float, bool]:
@@ -90,8 +96,11 @@ def judge(budget: Budget, result: EvalResult, baseline: EvalResult) -> tuple[Pai
     questions it covers."""
     baseline = restricted(baseline, result)
     delta = paired_delta(result, baseline)
-    kl = float(answer_kl(result, baseline).mean())
-    return delta, kl, agreement(result, baseline), budget.allows(delta, kl, result.meta.get("kl_text"))
+    kls = answer_kl(result, baseline)
+    kl = float(kls.mean())
+    kl_se = float(kls.std(unbiased=True)) / kls.numel() ** 0.5 if kls.numel() > 1 else float("inf")
+    ok = budget.allows(delta, kl, result.meta.get("kl_text"), kl_se, result.meta.get("kl_text_se", 0.0))
+    return delta, kl, agreement(result, baseline), ok
 
 
 def decided_over_budget(budget: Budget, partial: EvalResult, baseline_part: EvalResult, z: float = 1.96) -> bool:

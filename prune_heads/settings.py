@@ -5,6 +5,7 @@ into an ``Inputs`` value (inputs.py), so a function that needs data takes the da
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import asdict, dataclass, field, fields
 
@@ -50,6 +51,7 @@ class Settings:
     layout: str = "auto"  # export layout: auto | uniform | per-layer | masked
     units: str = "gqa"  # what the search removes: gqa (slices and whole KV groups, units.py) | heads (the paper's)
     objective: str = "params"  # what the chosen point maximises: params | kv-cache | flops | heads
+    decision: str = "point"  # within budget: point (the estimate, the paper's) | confident (the 97.5% bound)
     gqa: str = "exact"  # with --units heads: exact (copy KV heads as needed) | balanced (same count per group)
     max_shard_size: str = "2GB"
     export: bool = True
@@ -178,6 +180,9 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
         raise UserError(f"unknown scorer {values.get('scorer')!r}; choose one of: {', '.join(SCORE_KEYS)}")
     values["task"] = _task(values, flags)
     budget = _budget(values, flags)
+    if values.get("decision", "point") not in ("point", "confident"):
+        raise UserError(f"--decision {values['decision']!r} is not one of point, confident")
+    budget = dataclasses.replace(budget, rule=values.get("decision", "point"))
     _refuse_conflicts({**values, "budget_metric": budget.metric})
     if "max_shard_size" in values:
         values["max_shard_size"] = check_shard_size(values["max_shard_size"])

@@ -46,7 +46,9 @@ class Verifier:
 
     def with_text_kl(self, result: EvalResult, target) -> EvalResult:
         if self.kl_sequences is not None:
-            result.meta["kl_text"] = self.work.text_kl(self.kl_sequences, target)
+            kls = self.work.text_kls(self.kl_sequences, target).double()
+            result.meta["kl_text"] = float(kls.mean())
+            result.meta["kl_text_se"] = float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
         return result
 
     def evaluate(self, heads: HeadSet, label: str) -> EvalResult:

@@ -66,16 +66,20 @@ class Work:
 
     def text_kl(self, sequences: list[list[int]], target) -> float:
         """Mean next-token KL(unablated || ablated) over held-out texts, nats; cached like evaluations."""
+        return float(self.text_kls(sequences, target).mean())
+
+    def text_kls(self, sequences: list[list[int]], target) -> torch.Tensor:
+        """Next-token KL(unablated || ablated) of each held-out text, nats; cached like evaluations."""
         ablation = self._ablation_key(target)
         if ablation is None:
-            return 0.0
+            return torch.zeros(len(sequences), dtype=torch.float64)
         key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
                "batch": self.batch_size}
         hit = self.cache.get("kltext", key)
         if hit is None:
             hit = {"kl": next_token_kl(self.lm, sequences, target, self.batch_size)}
             self.cache.put("kltext", key, hit)
-        return float(hit["kl"].mean())
+        return hit["kl"]
 
     def evaluate_group(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
         """Several static head sets at once (evaluate_many); cached per set like ``evaluate``."""

@@ -162,6 +162,9 @@ def prepare(kw: dict, **extra):
 @click.option("--objective", type=click.Choice(["params", "kv-cache", "flops", "heads"]), default="params",
               show_default=True, help="What the chosen point maximises within budget, in the model that ships: "
               "attention parameters, KV cache, attention FLOPs removed, or heads zeroed (the paper's count).")
+@click.option("--decision", type=click.Choice(["point", "confident"]), default="point", show_default=True,
+              help="When a point is within budget: point, its estimate is (the paper's rule); confident, the one-sided "
+              "97.5% bound is (the paired difference's lower 95% limit, or the KL's mean + 1.96 standard errors).")
 @click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
               help="With --units heads: exact keeps the selection and copies KV heads so groups stay equal; balanced "
                    "removes the same number of heads from every KV group (re-verified against the budget).")
@@ -178,8 +181,8 @@ def prepare(kw: dict, **extra):
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, units, objective, gqa, no_export, adapter,
-        heal_steps, heal_data, heal_in_search, push_to, private, **kw):
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, units, objective, decision, gqa, no_export,
+        adapter, heal_steps, heal_data, heal_in_search, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     (or --task's, or the answer KL) within --budget, remove those heads, and write the verified smaller
     model, report, heads.json and plots to --out.
@@ -203,7 +206,8 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, unit
     if private and not push_to:
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
     settings, inputs = prepare(kw, budget=budget, metric=metric, scorer=scorer, layout=layout,
-                               max_shard_size=max_shard_size, units=units, objective=objective, gqa=gqa,
+                               max_shard_size=max_shard_size, units=units, objective=objective, decision=decision,
+                               gqa=gqa,
                                export=not no_export, lora_adapter=adapter,
                                heal_steps=heal_steps, heal_data=heal_data, heal_in_search=heal_in_search)
     run_prune(settings, inputs, kw["out"], kw["force"])

@@ -103,10 +103,12 @@ def model_dir(tmp_path_factory):
 
 
 def _run(model_dir, tmp_path, capsys, *extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "run"
     mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=9)
+    budget = [] if "--budget" in extra else ["--budget", "100%"]
     code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
-                            "--dtype", "float32", "--no-progress", "--budget", "100%", *extra], capsys)
+                            "--dtype", "float32", "--no-progress", *budget, *extra], capsys)
     assert code == 0, err
     return out, json.loads((out / "report.json").read_text())
 
@@ -125,6 +127,14 @@ def test_default_search_ships_what_it_zeroes(model_dir, tmp_path, capsys):
     assert speed["prefill_tokens_per_s"]["shipped"] > 0 and speed["decode_tokens_per_s"]["original"] > 0
     assert speed["flops_predicted_prefill_speedup"] > 1 and speed["weight_bytes"]["shipped"] < speed["weight_bytes"]["original"]
     assert "prefill tokens/s" in (out / "README.md").read_text()
+
+
+def test_confident_decision_is_recorded_and_never_chooses_more_than_the_point_rule(model_dir, tmp_path, capsys):
+    _, confident = _run(model_dir, tmp_path / "c", capsys, "--decision", "confident", "--budget", "2pt", "--no-export")
+    _, point = _run(model_dir, tmp_path / "p", capsys, "--budget", "2pt", "--no-export")
+    assert confident["budget"]["decision"] == "confident" and point["budget"]["decision"] == "point"
+    assert all(p["ci95_points"][0] >= -2 for p in confident["points"] if p["within_budget"])
+    assert confident["final"]["num_heads_removed"] <= point["final"]["num_heads_removed"]
 
 
 def test_kv_cache_objective_removes_whole_groups(model_dir, tmp_path, capsys):
@@ -161,6 +171,7 @@ def test_uniform_search_ships_a_stock_config_equal_to_the_verified_ablation(mode
     (["--units", "heads", "--objective", "kv-cache"], "--objective kv-cache"),
     (["--objective", "speed"], "--objective"),
     (["--units", "layers"], "--units"),
+    (["--decision", "sure"], "--decision"),
 ])
 def test_bad_unit_and_objective_flags(model_dir, tmp_path, capsys, args, expect):
     code, _, err = run_cli(["--model", model_dir, "--out", tmp_path / "x", *args], capsys)
