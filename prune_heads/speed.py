@@ -15,9 +15,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _cache_bytes(cache) -> int:
+    """Bytes of a transformers KV cache (its key and value tensors, whatever the cache class)."""
+    seen, total = set(), 0
+    for layer in getattr(cache, "layers", []) or []:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
 @torch.no_grad()
-def _timed(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds for ``ids``, decode seconds for ``new_tokens`` greedy steps on the KV cache)."""
+def _timed(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, int]:
+    """(prefill seconds for ``ids``, decode seconds for ``new_tokens`` greedy steps on the KV cache, cache bytes)."""
     device = ids.device
     _sync(device)
     start = time.perf_counter()
@@ -32,7 +43,7 @@ def _timed(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
             out = model(input_ids=token, past_key_values=cache, use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     _sync(device)
-    return prefill, time.perf_counter() - start
+    return prefill, time.perf_counter() - start, _cache_bytes(cache)
 
 
 def flops_per_token(model, arch, context: int) -> int:
@@ -58,9 +69,14 @@ def measure_speed(original, shipped, arch, vocab_size: int, device: torch.device
     for model in models.values():
         _timed(model, ids[:, :8], 2)  # warm-up: kernels, allocator
     times = {name: [] for name in models}
+    peaks = {}
     for r in range(rounds):
         for name in (("original", "shipped") if r % 2 == 0 else ("shipped", "original")):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             times[name].append(_timed(models[name], ids, new_tokens))
+            if device.type == "cuda":
+                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated(device))
     prefill = {n: [batch * prompt / t[0] for t in ts] for n, ts in times.items()}
     decode = {n: [batch * new_tokens / t[1] for t in ts] for n, ts in times.items()}
     ratio = lambda d: statistics.median(s / o for s, o in zip(d["shipped"], d["original"]))  # noqa: E731
@@ -71,4 +87,7 @@ def measure_speed(original, shipped, arch, vocab_size: int, device: torch.device
             "decode_tokens_per_s": {n: round(statistics.median(v), 2) for n, v in decode.items()},
             "prefill_speedup": round(ratio(prefill), 4), "decode_speedup": round(ratio(decode), 4),
             "flops_predicted_prefill_speedup": round(predicted, 4),
-            "weight_bytes": {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in models.items()}}
+            "weight_bytes": {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in models.items()},
+            # The KV cache both hold after prompt + decode (measured); with the weights, what serving keeps resident.
+            "kv_cache_bytes": {n: ts[-1][2] for n, ts in times.items()},
+            **({"cuda_peak_bytes": peaks} if peaks else {})}

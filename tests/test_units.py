@@ -126,6 +126,7 @@ def test_default_search_ships_what_it_zeroes(model_dir, tmp_path, capsys):
     assert speed == meta["speed"] and speed["rounds"] == 5 and speed["prefill_speedup"] > 0
     assert speed["prefill_tokens_per_s"]["shipped"] > 0 and speed["decode_tokens_per_s"]["original"] > 0
     assert speed["flops_predicted_prefill_speedup"] > 1 and speed["weight_bytes"]["shipped"] < speed["weight_bytes"]["original"]
+    assert speed["kv_cache_bytes"]["shipped"] < speed["kv_cache_bytes"]["original"]  # whole groups left the cache
     assert "prefill tokens/s" in (out / "README.md").read_text()
 
 
