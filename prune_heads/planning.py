@@ -366,11 +366,6 @@ def objective_value(objective: str, point) -> float:
     return point.shipped[key]
 
 
-def plan_for(lm, heads: HeadSet, layout: str) -> LayoutChoice:
-    """One-off planning for a loaded model (a run keeps one ``Planner`` instead)."""
-    return planner_for(lm).choose(heads, layout)
-
-
 def planner_for(lm) -> Planner:
     return Planner(lm.arch.geometries(lm.model), lm.arch, lm.config, torch.finfo(lm.dtype).bits // 8)
 

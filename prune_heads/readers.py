@@ -73,19 +73,6 @@ def read_json(path: str | Path, what: str, kind: str = "json") -> Any:
     return parse_json(read_text(path, what, kind), path, what)
 
 
-def read_jsonl(path: str | Path, what: str, kind: str = "rows") -> list[dict]:
-    """One JSON object per non-empty line."""
-    rows = []
-    for n, line in enumerate(read_text(path, what, kind).splitlines(), 1):
-        if line.strip():
-            row = parse_json(line, path, what, n)
-            if not isinstance(row, dict):
-                raise UserError(f"{what} {path}, line {n}, is a JSON {type(row).__name__}, not an object; expected "
-                                "one object per line")
-            rows.append(row)
-    return rows
-
-
 class _NoAliasLoader(yaml.SafeLoader):
     """Safe YAML without anchors and aliases: a recipe needs neither, and aliases are how a few hundred bytes expand
     to gigabytes ("billion laughs")."""
