@@ -47,6 +47,16 @@ def _summary_table(meta: dict) -> list[str]:
         if "kl_answer_nats" in task:
             lines.append(f"| answer KL from the original | 0 | {task['kl_answer_nats']:.4f} nat "
                          f"({_pct(task['agreement_with_unablated'])} same answers) |")
+    confirmation = meta.get("confirmation") or {}
+    if confirmation.get("confirmed") is not None:
+        if confirmation["confirmed"]:
+            ci = confirmation["ci95_points"]
+            lines.append(f"| confirmed on {confirmation['questions']} unseen questions | | delta "
+                         f"{confirmation['delta_points']:+.2f} pt [{ci[0]:+.2f}, {ci[1]:+.2f}], answer KL "
+                         f"{confirmation['kl_answer_nats']:.4f} nat |")
+        else:
+            lines.append(f"| confirmed on {confirmation['questions']} unseen questions | | nothing confirmed: no "
+                         "heads removed |")
     heal = meta.get("healing")
     if heal:
         before_heal = (task.get("before_healing") or {}).get("accuracy")

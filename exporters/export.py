@@ -265,6 +265,7 @@ def _manifest(lm, heads, choice, stats, verification, task_eval, healing, info: 
         "task_eval": task_eval,
         "healing": healing,
         "warnings": info.get("warnings", []),
+        "confirmation": info.get("confirmation"),
         "dtype": str(lm.dtype).replace("torch.", ""),
     }
 

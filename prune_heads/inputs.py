@@ -29,6 +29,8 @@ class Inputs:
     kl_text: list[str] | None  # --kl-text texts
     heal_text: list[str] | None  # --heal-data texts
     paths: tuple[str, ...] = ()  # every local file or directory the run reads (an --out must never touch them)
+    confirmation: TaskData | None = None  # questions the search never sees, to confirm the chosen point on
+    confirmation_source: str | None = None  # where they come from (or why there are none)
 
 
 def load_questions(settings: Settings) -> tuple[TaskData, TaskData]:
@@ -55,7 +57,29 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
         calibration, rest = texts[:settings.calibration_size], texts[settings.calibration_size:]
     kl_text = load_calibration(settings.kl_text, settings.kl_text_size) if settings.kl_text else None
     heal_text = load_calibration(settings.heal_data) if settings.heal_data else None
-    return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text, input_paths(settings, source))
+    questions, confirmation, why = confirmation_questions(settings, questions, full)
+    return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text, input_paths(settings, source),
+                  confirmation, why)
+
+
+def confirmation_questions(settings: Settings, questions: TaskData,
+                           full: TaskData) -> tuple[TaskData, TaskData | None, str]:
+    """(search questions, confirmation questions or None, where they come from or why there are none)."""
+    if not settings.confirm:
+        return questions, None, "not confirmed: --no-confirm"
+    if settings.metric == "kl-text" or settings.heal_in_search:
+        return questions, None, ("not confirmed: the budget is measured on held-out text" if settings.metric ==
+                                 "kl-text" else "not confirmed: --heal-in-search judges healed models")
+    unused = full.unused(questions)
+    if unused.questions:
+        return questions, unused, f"{len(unused.questions)} further questions of the same subjects, never searched"
+    if settings.confirm_fraction > 0:
+        search, held = questions.split(settings.confirm_fraction)
+        if held.questions and search.questions:
+            return search, held, (f"the last {100 * settings.confirm_fraction:g}% of each subject's questions, held "
+                                  "out of the search (--confirm-fraction)")
+    return questions, None, ("not confirmed: the search uses every question; pass --confirm-fraction F to hold "
+                             "some out")
 
 
 def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:

@@ -52,6 +52,8 @@ class Settings:
     units: str = "gqa"  # what the search removes: gqa (slices and whole KV groups, units.py) | heads (the paper's)
     objective: str = "params"  # what the chosen point maximises: params | kv-cache | flops | heads
     decision: str = "point"  # within budget: point (the estimate, the paper's) | confident (the 97.5% bound)
+    confirm: bool = True  # confirm the chosen point on questions the search never saw (confirmation.py)
+    confirm_fraction: float = 0.0  # when the search uses every question: the share per subject held out to confirm
     gqa: str = "exact"  # with --units heads: exact (copy KV heads as needed) | balanced (same count per group)
     max_shard_size: str = "2GB"
     export: bool = True
@@ -184,6 +186,9 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
         raise UserError(f"--decision {values['decision']!r} is not one of point, confident")
     budget = dataclasses.replace(budget, rule=values.get("decision", "point"))
     _refuse_conflicts({**values, "budget_metric": budget.metric})
+    if not 0 <= float(values.get("confirm_fraction") or 0) < 1:
+        raise UserError(f"--confirm-fraction {values['confirm_fraction']!r} must lie in [0, 1); 0.3 holds out 30% "
+                        "of each subject's questions")
     if "max_shard_size" in values:
         values["max_shard_size"] = check_shard_size(values["max_shard_size"])
     if isinstance(values.get("mmlu_subjects"), list):

@@ -13,6 +13,7 @@ from pathlib import Path
 from exporters.export import ExportCheck, ExportResult, export_pruned
 from exporters.lora import check_sliced, load_sliced, slice_adapter
 from prune_heads import plots
+from prune_heads.confirmation import confirm
 from prune_heads.data.tasks import task_format
 from prune_heads.evaluation import EvalResult, agreement, answer_kl, encode, paired_delta
 from prune_heads.fileio import StagedDirectory, write_json, write_text
@@ -54,7 +55,9 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool) -> Pru
              f"{len(verifier.baseline.questions)} questions" + (f"; next-token KL measured on "
              f"{len(verifier.kl_sequences)} texts ({verifier.kl_source})" if verifier.kl_sequences else ""))
         selection = select_heads(scores, settings.scorer, verifier, settings, echo)
+        selection, confirmation = confirm(run, verifier, selection, settings.objective, echo)
         report = _prune_report(run, scores, calibration, verifier, selection, [w for w in [warning] if w])
+        report["confirmation"] = confirmation
         _write_selection(run, scores, selection, report, verifier.baseline)
         export = _export(run, verifier, selection, report) if settings.export else None
         report["cache"] = run.work.cache.stats
@@ -100,7 +103,8 @@ def _export(run: Run, verifier: Verifier, selection: Selection, report: dict) ->
     checked on logits and the sliced adapter on the task)."""
     s = run.settings
     info = {"scorer": s.scorer, "budget": s.budget.text, "warnings": report["warnings"],
-            "budget_definition": report["budget"]["definition"], "task": s.task}
+            "budget_definition": report["budget"]["definition"], "task": s.task,
+            "confirmation": {k: v for k, v in report.get("confirmation", {}).items() if k != "question_ids"}}
     if s.lora_adapter:
         result = export_pruned(run.base, selection.heads, run.stage, s.layout, s.max_shard_size, info=info,
                                progress=s.progress, log=echo, planner=run.planner)

@@ -165,6 +165,11 @@ def prepare(kw: dict, **extra):
 @click.option("--decision", type=click.Choice(["point", "confident"]), default="point", show_default=True,
               help="When a point is within budget: point, its estimate is (the paper's rule); confident, the one-sided "
               "97.5% bound is (the paired difference's lower 95% limit, or the KL's mean + 1.96 standard errors).")
+@click.option("--confirm/--no-confirm", default=True, show_default=True, help="Confirm the chosen point on "
+              "questions the search never saw (further questions of the same subjects), stepping back along the "
+              "curve while it fails the budget.")
+@click.option("--confirm-fraction", type=float, help="When the search uses every question: the share of each "
+              "subject's questions held out of the search to confirm on (e.g. 0.3; default 0, no confirmation then).")
 @click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
               help="With --units heads: exact keeps the selection and copies KV heads so groups stay equal; balanced "
                    "removes the same number of heads from every KV group (re-verified against the budget).")
@@ -181,8 +186,8 @@ def prepare(kw: dict, **extra):
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, units, objective, decision, gqa, no_export,
-        adapter, heal_steps, heal_data, heal_in_search, push_to, private, **kw):
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, units, objective, decision, confirm,
+        confirm_fraction, gqa, no_export, adapter, heal_steps, heal_data, heal_in_search, push_to, private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     (or --task's, or the answer KL) within --budget, remove those heads, and write the verified smaller
     model, report, heads.json and plots to --out.
@@ -207,6 +212,7 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, unit
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
     settings, inputs = prepare(kw, budget=budget, metric=metric, scorer=scorer, layout=layout,
                                max_shard_size=max_shard_size, units=units, objective=objective, decision=decision,
+                               confirm=confirm, confirm_fraction=confirm_fraction,
                                gqa=gqa,
                                export=not no_export, lora_adapter=adapter,
                                heal_steps=heal_steps, heal_data=heal_data, heal_in_search=heal_in_search)

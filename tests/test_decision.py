@@ -62,3 +62,51 @@ def test_confident_kl_rule_uses_the_upper_bound():
     kl = judge(Budget(10.0, "kl"), ablated, base)[1]
     point, sure = Budget(kl * 1.01, "kl"), dataclasses.replace(Budget(kl * 1.01, "kl"), rule="confident")
     assert judge(point, ablated, base)[3] and not judge(sure, ablated, base)[3]
+
+
+# -- the winner's curse, and confirmation ---------------------------------------------------------------------------
+
+
+def _simulated_search(seed: int, n: int = 300, budget: float = 2.0):
+    """A search over 12 points whose true accuracy drop grows by 0.5 pt per point, each evaluated on the same ``n``
+    search questions; then the chosen point measured once more on ``n`` fresh questions. (true, on search, fresh)."""
+    g = torch.Generator().manual_seed(seed)
+    questions = [Question("s", i, "q", ("a", "b", "c", "d"), 0) for i in range(n)]
+
+    def outcomes(drop, base):
+        q0, q1 = 0.05, (0.4 * 0.05 + drop / 100) / 0.6
+        flip = torch.rand(len(base), generator=g)
+        return torch.where(base, flip >= q1, flip < q0)
+
+    def result(correct):
+        loglik = torch.full((len(correct), 4), -4.0, dtype=torch.float64)
+        loglik[:, 0] = torch.where(correct, -0.1, -3.0)
+        loglik[:, 1] = torch.where(correct, -3.0, -0.1)
+        return EvalResult(questions[: len(correct)], loglik)
+
+    base = torch.rand(n, generator=g) < 0.6
+    baseline, true = result(base), {}
+
+    def evaluate(heads, label):
+        k = len(heads)
+        true[k] = 0.5 * k
+        return result(outcomes(true[k], base))
+
+    from prune_heads.search import search_budget
+
+    ranking = [(0, h) for h in range(12)]
+    res = search_budget(ranking, evaluate, baseline, Budget(budget), grid=tuple(k / 12 for k in range(1, 13)),
+                        patience=12, refine_steps=0)
+    best = res.best
+    fresh_base = torch.rand(n, generator=g) < 0.6
+    fresh = judge(Budget(budget), result(outcomes(true.get(best.num_heads, 0.0), fresh_base)), result(fresh_base))[0]
+    return -true.get(best.num_heads, 0.0), best.delta.delta, fresh.delta
+
+
+def test_the_point_chosen_on_search_questions_is_biased_upwards_and_its_confirmation_is_not():
+    runs = [_simulated_search(seed) for seed in range(300)]
+    search_error = torch.tensor([s - t for t, s, _ in runs])
+    fresh_error = torch.tensor([f - t for t, _, f in runs])
+    se = lambda x: float(x.std()) / len(x) ** 0.5  # noqa: E731
+    assert float(search_error.mean()) > 3 * se(search_error)  # the winner's curse: measured on the selecting set
+    assert abs(float(fresh_error.mean())) < 2.5 * se(fresh_error)  # confirmation: unbiased within its error

@@ -20,6 +20,7 @@ The non-MMLU tasks read local files in their Hub schemas (``allenai/ai2_arc``, `
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -81,6 +82,28 @@ class TaskData:
             chosen = [s for s in chosen if s.name in names]
         out = [Subject(s.name, s.exemplars, s.questions[:per_subject] if per_subject else s.questions) for s in chosen]
         return replace(self, subjects=[s for s in out if s.questions])
+
+    def unused(self, evaluated: "TaskData") -> "TaskData":
+        """Questions of ``evaluated``'s subjects that it does not evaluate (never exemplars), up to as many per subject
+        as it evaluates, in file order: confirmation questions that no search has seen."""
+        used = {(q.subject, q.index) for q in evaluated.questions}
+        mine = {s.name: s for s in self.subjects}
+        out = []
+        for s in evaluated.subjects:
+            rest = [q for q in mine[s.name].questions if (q.subject, q.index) not in used] if s.name in mine else []
+            out.append(Subject(s.name, s.exemplars, rest[: len(s.questions)]))
+        return replace(self, subjects=[s for s in out if s.questions])
+
+    def split(self, fraction: float) -> tuple["TaskData", "TaskData"]:
+        """(search, confirmation): the last ``ceil(fraction x n)`` questions of each subject confirm (at least one
+        stays for the search), deterministic and stratified by subject."""
+        search, confirm = [], []
+        for s in self.subjects:
+            k = min(len(s.questions) - 1, math.ceil(fraction * len(s.questions)))
+            search.append(Subject(s.name, s.exemplars, s.questions[: len(s.questions) - k]))
+            confirm.append(Subject(s.name, s.exemplars, s.questions[len(s.questions) - k:]))
+        return (replace(self, subjects=[s for s in search if s.questions]),
+                replace(self, subjects=[s for s in confirm if s.questions]))
 
     def held_out(self, evaluated: "TaskData", n: int) -> list[Question]:
         """Up to ``n`` questions that are neither evaluated nor exemplars, round-robin over subjects: text for the
