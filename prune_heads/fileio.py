@@ -1,5 +1,5 @@
-"""Atomic file writes (a reader sees the previous file or the complete new one, never half of one), and JSON reads
-with errors that say what to do."""
+"""Atomic file writes (a reader sees the previous file or the complete new one, never half of one), the --out rule,
+and the staging directory every command writes into. Input files are read by readers.py."""
 from __future__ import annotations
 
 import json
@@ -53,18 +53,6 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
             f.write(text)
 
     return atomic_write(path, _write)
-
-
-def read_json(path: str | os.PathLike, missing: str, corrupt: str) -> Any:
-    """The parsed JSON file at ``path``; a UserError saying ``missing`` if it is not a file, ``corrupt`` if it does
-    not parse."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(missing)
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError:
-        raise UserError(corrupt) from None
 
 
 def json_safe(obj: Any) -> Any:

@@ -24,8 +24,8 @@ import torch
 from .ablation import dynamic_masks
 from .errors import UserError
 from .evaluation import EvalResult, agreement, answer_kl, paired_delta
-from .fileio import read_json
 from .heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
+from .readers import read_json
 
 DEFAULT_PERCENTS = (0, 5, 10, 15, 20, 25, 30)
 MODES = ("dynamic", "static", "random")
@@ -251,11 +251,9 @@ def read_study(path: str | Path) -> dict:
     """study.json, given as the file or a study output directory."""
     p = Path(path)
     p = p / "study.json" if p.is_dir() else p
-    study = read_json(
-        p,
-        f"{path} is not a study (no study.json); run prune-heads study --out DIR first",
-        f"{p} is not valid JSON; run the study again",
-    )
-    if "ranking" not in study:
+    if not p.is_file():
+        raise UserError(f"{path} is not a study (no study.json); run prune-heads study --out DIR first")
+    study = read_json(p, "study")
+    if not isinstance(study, dict) or "ranking" not in study:
         raise UserError(f"{p} has no function ranking; it was not written by prune-heads study")
     return study
