@@ -11,8 +11,9 @@ direction: for ``awft`` a high score marks a dormant head). Three ablation modes
 Each (function, percent, mode) point records the % of heads actually zeroed (mean over inputs) and the task's
 accuracy. Per function and mode: the largest % zeroed within the budget, by linear interpolation along the curve
 (the last crossing of baseline - budget), and the normalised area under the accuracy curve (trapezoid area / x
-range). Functions are ranked by the first, then the second. Every evaluation is cached (work.py), so a study
-resumes where it stopped and a later study with more functions reuses what is done.
+range). Functions are ranked by the first, then the second. The max % comes with a 95% bootstrap interval over
+questions, and the ranking says which functions cannot be told apart on these questions. Every evaluation is
+cached (work.py), so a study resumes where it stopped and a later study with more functions reuses what is done.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class StudyPoint:
     delta: dict
     kl: float
     agreement: float
+    correct: torch.Tensor | None = field(default=None, repr=False)  # per question, 1.0 where right (the bootstrap's)
 
     def to_json(self) -> dict:
         thr = self.threshold
@@ -112,6 +114,7 @@ def _point(function, mode, percent, threshold, zeroed, result: EvalResult, basel
         paired_delta(result, baseline).to_json(),
         float(answer_kl(result, baseline).mean()),
         agreement(result, baseline),
+        result.correct,
     )
 
 
@@ -177,39 +180,69 @@ def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, basel
             hs = HeadSet.from_pairs([(i // heads, i % heads) for i in order[:k]])
             res = evaluate(hs.mask(layers, heads), f"random {p:g}%")
             add(("random", "random"), _point("random", "random", p, None, 100 * k / total, res, baseline))
-    return summarise(curves, baseline.accuracy, budget_points, num_inputs)
+    return summarise(curves, baseline.accuracy, budget_points, num_inputs, baseline.correct, seed)
 
 
-def summarise(
-    curves: dict[tuple[str, str], Curve], baseline_accuracy: float, budget_points: float, inputs: int
-) -> dict:
+def summarise(curves: dict[tuple[str, str], Curve], baseline_accuracy: float, budget_points: float, inputs: int,
+              baseline_correct: torch.Tensor | None = None, seed: int = 0) -> dict:
+    """Per curve: max % within budget and AUC; per mode: the ranking. With per-question results, each max % gets a
+    bootstrap interval over questions, and each function lists those it cannot be told apart from (the 95% interval
+    of the paired bootstrap difference of their max % contains 0)."""
     target = 100 * baseline_accuracy - budget_points
-    summary: dict = {
-        "baseline_accuracy": round(baseline_accuracy, 6),
-        "budget_points": budget_points,
-        "inputs": inputs,
-        "curves": [],
-        "ranking": {},
-    }
+    summary: dict = {"baseline_accuracy": round(baseline_accuracy, 6), "budget_points": budget_points,
+                     "inputs": inputs, "curves": [], "ranking": {}}
+    boot = bootstrap_max_within(curves, baseline_correct, budget_points, seed=seed)
     by_mode: dict[str, list[dict]] = {}
-    for (function, mode), curve in curves.items():
+    for key, curve in curves.items():
         xs, ys = curve.xy()
-        row = {
-            "function": function,
-            "mode": mode,
-            "max_percent_within_budget": round(max_within(xs, ys, target), 4),
-            "auc": round(normalised_auc(xs, ys), 4),
-            "points": [p.to_json() for p in sorted(curve.points, key=lambda p: p.zeroed)],
-        }
+        row = {"function": key[0], "mode": key[1], "max_percent_within_budget": round(max_within(xs, ys, target), 4),
+               "auc": round(normalised_auc(xs, ys), 4),
+               "points": [p.to_json() for p in sorted(curve.points, key=lambda p: p.zeroed)]}
+        if boot is not None:
+            lo, hi = torch.quantile(boot[key], torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+            row["max_percent_ci"] = [round(lo, 4), round(hi, 4)]
         summary["curves"].append(row)
-        by_mode.setdefault(mode, []).append(row)
+        by_mode.setdefault(key[1], []).append(row)
     for mode, rows in by_mode.items():
         ordered = sorted(rows, key=lambda r: (-r["max_percent_within_budget"], -r["auc"], r["function"]))
         for rank, r in enumerate(ordered, 1):
             r["rank"] = rank
+            if boot is not None:
+                r["indistinguishable_from"] = [o["function"] for o in ordered if o is not r and not _apart(
+                    boot[(r["function"], mode)], boot[(o["function"], mode)])]
         summary["ranking"][mode] = [r["function"] for r in ordered]
+    if boot is not None:
+        summary["bootstrap"] = {"resamples": int(next(iter(boot.values())).numel()), "seed": seed,
+                                "over": "questions (x values held at their full-sample zeroed %)"}
     summary["best"] = {mode: names[0] for mode, names in summary["ranking"].items() if names and mode != "random"}
     return summary
+
+
+def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the paired bootstrap difference's 95% interval excludes 0."""
+    lo, hi = torch.quantile(a - b, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo > 0 or hi < 0
+
+
+def bootstrap_max_within(curves: dict[tuple[str, str], Curve], baseline_correct: torch.Tensor | None,
+                         budget_points: float, resamples: int = 1000, seed: int = 0) -> dict | None:
+    """For each curve, ``resamples`` values of its max % within budget, on question sets drawn with replacement
+    (the same draws for every curve, so differences are paired). None without per-question results."""
+    if baseline_correct is None or any(p.correct is None for c in curves.values() for p in c.points):
+        return None
+    n = baseline_correct.numel()
+    draws = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+    weights = torch.zeros(resamples, n, dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones(resamples, n, dtype=torch.float64)) / n  # [B, N]
+    targets = 100 * (weights @ baseline_correct.double()) - budget_points  # [B]
+    out = {}
+    for key, curve in curves.items():
+        pts = sorted(curve.points, key=lambda p: (p.zeroed, p.percent))
+        xs = [p.zeroed for p in pts]
+        accs = 100 * weights @ torch.stack([p.correct.double() for p in pts]).T  # [B, P]
+        out[key] = torch.tensor([max_within(xs, accs[b].tolist(), float(targets[b])) for b in range(resamples)],
+                                dtype=torch.float64)
+    return out
 
 
 def markdown(study: dict, model: str, task: str) -> str:
@@ -228,14 +261,14 @@ def markdown(study: dict, model: str, task: str) -> str:
         "interpolation along the curve); *AUC*: mean accuracy (%) over the zeroed range.",
         "",
     ]
+    if "bootstrap" in study:
+        lines += [f"Intervals: 95% bootstrap over questions ({study['bootstrap']['resamples']} resamples); *~ ranks*: "
+                  "the functions this one cannot be told apart from (their paired difference's interval contains 0).",
+                  ""]
     head = "| function |" + "".join(f" {m} max % | {m} AUC | {m} rank |" for m in modes)
     lines += [head, "|---|" + "---|---|---|" * len(modes)]
     for f in functions:
-        cells = ""
-        for m in modes:
-            r = rows.get((f, m))
-            cells += f" {r['max_percent_within_budget']:.2f} | {r['auc']:.2f} | {r['rank']} |" if r else " | | |"
-        lines.append(f"| `{f}` |{cells}")
+        lines.append(f"| `{f}` |" + "".join(_cells(rows.get((f, m)), rows, m) for m in modes))
     if ("random", "random") in rows:
         r = rows[("random", "random")]
         lines += [
@@ -245,6 +278,16 @@ def markdown(study: dict, model: str, task: str) -> str:
     for m, best in study["best"].items():
         lines.append(f"\nBest function ({m}): `{best}`.")
     return "\n".join(lines) + "\n"
+
+
+def _cells(r: dict | None, rows: dict, mode: str) -> str:
+    if r is None:
+        return " | | |"
+    ci = r.get("max_percent_ci")
+    pct = f"{r['max_percent_within_budget']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+    ties = sorted(rows[(f, mode)]["rank"] for f in r.get("indistinguishable_from", []) if (f, mode) in rows)
+    rank = f"{r['rank']}" + (f" (~ {', '.join(map(str, ties))})" if ties else "")
+    return f" {pct} | {r['auc']:.2f} | {rank} |"
 
 
 def read_study(path: str | Path) -> dict:

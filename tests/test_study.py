@@ -179,3 +179,41 @@ def test_study_on_another_task(model_dir, tmp_path, capsys):
     assert study["task"] == "piqa" and study["inputs"] == 2 and set(study["ranking"]) == {"dynamic", "random"}
     assert study["baseline"]["chance"] == 0.5
     assert "piqa, 2 questions" in (out / "study.md").read_text()
+
+
+def _curve(function: str, correct_by_zeroed: dict[float, torch.Tensor]):
+    from prune_heads.study import Curve, StudyPoint
+
+    points = [StudyPoint(function, "static", x, None, x, float(c.mean()), {}, 0.0, 1.0, c.double())
+              for x, c in correct_by_zeroed.items()]
+    return (function, "static"), Curve(function, "static", points)
+
+
+def test_bootstrap_interval_equals_a_naive_resample_and_says_which_functions_tie():
+    from prune_heads.study import bootstrap_max_within, markdown, summarise
+
+    g = torch.Generator().manual_seed(0)
+    n = 600
+    base = (torch.rand(n, generator=g) < 0.6).double()
+
+    def worse(share):  # the baseline with ``share`` of its right answers turned wrong
+        return base * (torch.rand(n, generator=g) >= share).double()
+
+    strong = {0.0: base, 10.0: worse(0.0), 20.0: worse(0.01), 30.0: worse(0.3)}
+    twin = {k: v.clone() for k, v in strong.items()}
+    weak = {0.0: base, 10.0: worse(0.3), 20.0: worse(0.5), 30.0: worse(0.6)}
+    curves = dict([_curve("ahon", strong), _curve("ahon_ln", twin), _curve("awft", weak)])
+    boot = bootstrap_max_within(curves, base, 2.0, resamples=200, seed=3)
+    # Resample 0 by hand: the same draws, the curve re-measured on them, then max_within.
+    draws = torch.randint(n, (200, n), generator=torch.Generator().manual_seed(3))[0]
+    xs = [0.0, 10.0, 20.0, 30.0]
+    ys = [100 * float(strong[x][draws].mean()) for x in xs]
+    assert float(boot[("ahon", "static")][0]) == pytest.approx(max_within(xs, ys, 100 * float(base[draws].mean()) - 2))
+
+    study = summarise(curves, float(base.mean()), 2.0, n, base, seed=3)
+    rows = {r["function"]: r for r in study["curves"]}
+    lo, hi = rows["ahon"]["max_percent_ci"]
+    assert lo <= rows["ahon"]["max_percent_within_budget"] <= hi and hi > lo
+    assert rows["ahon"]["indistinguishable_from"] == ["ahon_ln"] and rows["awft"]["indistinguishable_from"] == []
+    table = markdown(study, "m", "mmlu")
+    assert "(~ 2)" in table and "bootstrap over questions" in table
