@@ -135,6 +135,45 @@ class ArchAdapter:
     def valid_num_heads(self, config, num_heads: int) -> bool:
         return num_heads > 0
 
+    # -- llama.cpp (GGUF export) -----------------------------------------------------------------------------
+
+    # The llama.cpp architecture a GGUF of this family is written as (None: not supported by our GGUF writer).
+    gguf_arch: ClassVar[str | None] = None
+    # The one whose graph builds every layer from its own head counts (llama.cpp's ``deci``), or why there is none.
+    gguf_per_layer_arch: ClassVar[str | None] = None
+    gguf_no_per_layer: ClassVar[str] = "llama.cpp has no architecture that builds this family with per-layer heads"
+    # llama.cpp's rope for the architecture rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM) where transformers rotates
+    # halves: each head's q/k rows are interleaved on the way out.
+    gguf_rope_pairs: ClassVar[bool] = False
+
+    def gguf_architecture(self, per_layer: bool) -> str:
+        """The llama.cpp architecture to write, or a UserError naming what to do instead."""
+        if self.gguf_arch is None:
+            raise UserError(f"--format gguf supports llama, mistral, smollm2, qwen2 and qwen3 checkpoints, not "
+                            f"{self.name}; use --format safetensors")
+        if per_layer and self.gguf_per_layer_arch is None:
+            raise UserError(f"this export has per-layer head counts, but {self.gguf_no_per_layer}; pass --layout "
+                            "uniform (the same heads in every layer) for a GGUF")
+        return self.gguf_per_layer_arch if per_layer else self.gguf_arch
+
+    def gguf_tensor_name(self, name: str) -> str | None:
+        """The GGUF name of a transformers state-dict key (None: not written)."""
+        if name in GGUF_GLOBAL_NAMES:
+            return GGUF_GLOBAL_NAMES[name]
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        if m and m.group(2) in GGUF_LAYER_NAMES:
+            return f"blk.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        return None
+
+
+GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+
 
 class SkippedAttention(nn.Module):
     """A layer whose heads were all removed: attention adds nothing to the residual stream (no parameters)."""
@@ -175,6 +214,7 @@ def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head
 class LlamaAdapter(ArchAdapter):
     name = "llama"
     model_types = ("llama",)
+    gguf_arch, gguf_per_layer_arch, gguf_rope_pairs = "llama", "deci", True
 
     def export_config(self, config, shapes):
         """LlamaConfig refuses ``hidden_size % num_attention_heads != 0`` even with an explicit head_dim. Mistral's
@@ -198,17 +238,24 @@ class LlamaAdapter(ArchAdapter):
 class MistralAdapter(ArchAdapter):
     name = "mistral"
     model_types = ("mistral",)
+    gguf_arch, gguf_per_layer_arch, gguf_rope_pairs = "llama", "deci", True  # llama.cpp runs Mistral as llama
 
 
 class Qwen2Adapter(ArchAdapter):
     name = "qwen2"
     model_types = ("qwen2",)
+    # llama.cpp's qwen2 graph wants q as wide as the hidden size (no pruned heads); its llama and deci graphs load
+    # optional q/k/v biases and compute the same thing once q/k rows (and biases) are put in rotation-pair order.
+    gguf_arch, gguf_per_layer_arch, gguf_rope_pairs = "llama", "deci", True
 
 
 class Qwen3Adapter(ArchAdapter):
     name = "qwen3"
     model_types = ("qwen3",)
     qk_norm = "per_head"
+    gguf_arch = "qwen3"
+    gguf_no_per_layer = ("llama.cpp's qwen3 graph takes one head count for every layer and its per-layer graph (deci) "
+                         "has no q/k norms")
 
 
 class Olmo2Adapter(ArchAdapter):
