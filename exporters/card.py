@@ -67,7 +67,35 @@ def _summary_table(meta: dict) -> list[str]:
     return lines
 
 
+def _gguf_section(meta: dict) -> list[str]:
+    g = meta.get("gguf")
+    if not g:
+        return []
+    heads = g["head_counts"]
+    counts = f"{heads[0]} query / {g['kv_head_counts'][0]} KV heads in every layer" if len(set(heads)) == 1 else (
+        f"per-layer heads {heads} (KV {g['kv_head_counts']})")
+    lines = ["## Run it in llama.cpp", "", f"`{g['file']}` ({g['tensor_type']}, llama.cpp architecture "
+             f"`{g['architecture']}`, {counts}; tokenizer {g['tokenizer']}):", "", "```sh",
+             f"llama-cli -m {g['file']} -p \"The capital of France is\"", "```", ""]
+    if not g.get("verified_in_llama_cpp"):
+        return lines + [f"Not run in llama.cpp when written ({g.get('why_not')}).", ""]
+    rt, speed = g["unpruned_round_trip"], g.get("speed") or {}
+    lines += [f"Run in llama.cpp (llama-cpp-python {g['llama_cpp_python']}) when written: max |logit difference| "
+              f"{g['max_abs_logit_diff']:.3g} against the verified model on {g['prompts']} prompts (tolerance "
+              f"{g['tolerance']:.3g}; the unpruned model's own GGUF round trip: {rt['max_abs_logit_diff']:.3g}), "
+              f"argmax agreement {_pct(g['argmax_agreement'])}.", ""]
+    if "prompt_speedup" in speed:
+        sp = speed
+        lines += [f"llama.cpp speed ({sp['threads']} threads, against the unpruned GGUF at {g['tensor_type']}): "
+                  f"prompt {sp['pruned_prompt_tokens_per_s']:,.0f} vs {sp['original_prompt_tokens_per_s']:,.0f} "
+                  f"tokens/s (x{sp['prompt_speedup']:.2f}), generation {sp['pruned_generation_tokens_per_s']:,.0f} "
+                  f"vs {sp['original_generation_tokens_per_s']:,.0f} tokens/s (x{sp['generation_speedup']:.2f}).", ""]
+    return lines
+
+
 def _how_to_load(meta: dict) -> list[str]:
+    if "safetensors" not in meta.get("formats", ["safetensors"]):
+        return _gguf_section(meta)
     trust = ", trust_remote_code=True" if meta["layout"] == "per-layer" else ""
     lines = ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'model = AutoModelForCausalLM.from_pretrained("<this repo or directory>"{trust})',
@@ -76,7 +104,7 @@ def _how_to_load(meta: dict) -> list[str]:
         lines += ["Layers keep different numbers of heads, recorded in `config.json` under `per_layer_config`; the "
                   "small `modeling_pruned.py` shipped here builds each layer from it, hence `trust_remote_code=True`.",
                   ""]
-    return lines
+    return lines + _gguf_section(meta)
 
 
 def model_card(meta: dict) -> str:
@@ -99,7 +127,8 @@ def model_card(meta: dict) -> str:
         lines += [f"> **Warning:** {w}", ""]
     lines += _how_to_load(meta)
     lines += ["## Verification", "",
-              "Reloaded from these files in the same run: max |logit difference| against "
+              ("Reloaded from these files in the same run" if v.get("reloaded", True)
+               else "The pruned model, in memory") + ": max |logit difference| against "
               + ("the healed model" if heal else "the ablated original") + " "
               f"{v['max_abs_logit_diff']:.3g} on {v['prompts']} prompts (computed in "
               f"{v.get('compared_in', v['dtype'])}, tolerance {v['tolerance']:g}).", "",

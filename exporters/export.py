@@ -36,6 +36,7 @@ from prune_heads.speed import measure_speed as measure
 from prune_heads.verify import bytes_per_value, compare_models, sample_prompts
 
 from .card import model_card
+from .gguf_export import export_gguf
 
 MANIFEST = "prune_heads.json"
 TEMPLATE = Path(__file__).parent / "templates" / "modeling_pruned.py"
@@ -61,6 +62,7 @@ class ExportResult:
     task_eval: dict | None
     manifest: dict = field(default_factory=dict)
     speed: dict | None = None  # prefill/decode tokens/s of the export against the original (prune_heads.speed)
+    gguf: dict | None = None  # the GGUF written and its check in llama.cpp (gguf_export.py)
 
 
 def model_stats(model, shapes: list[tuple[int, int]], head_dim: int, dtype) -> dict:
@@ -82,8 +84,10 @@ def _check_disk(out: Path, model) -> None:
 
 def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "auto", max_shard_size: str = "2GB", *,
                   check: ExportCheck | None = None, info: dict | None = None, progress: bool = True, log=print,
-                  heal=None, planner: Planner | None = None, measure_speed: bool = True) -> ExportResult:
-    """Write the pruned model into ``out`` (an existing, empty staging directory) and verify it there.
+                  heal=None, planner: Planner | None = None, measure_speed: bool = True,
+                  formats: tuple[str, ...] = ("safetensors",), gguf_type: str = "f16") -> ExportResult:
+    """Write the pruned model into ``out`` (an existing, empty staging directory) in ``formats`` (safetensors,
+    gguf) and verify it there.
 
     ``heal(pruned_model, plan) -> (healed_model, record)`` (LoRA healing) runs on the physically pruned model once
     it is checked against the ablated original; the export then ships, and is verified against, the healed model."""
@@ -93,11 +97,17 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     log(f"layout {choice.layout}: {choice.reason}")
     enc = check.enc if check is not None else None
     pruned, healing = _pruned_model(lm, choice, enc, heal)
-    _write(lm, pruned, choice, out, max_shard_size)
-    verification = verify_export(lm, choice, out, enc, reference=pruned if healing else None)
-    log(f"reloaded {out.name}: max |logit diff| {verification['max_abs_logit_diff']:.3g} "
-        f"(compared in {verification['compared_in']}, tolerance {verification['tolerance']:g})")
+    if "safetensors" in formats:
+        _write(lm, pruned, choice, out, max_shard_size)
+        verification = verify_export(lm, choice, out, enc, reference=pruned if healing else None)
+    else:  # GGUF alone: the pruned model in memory is what the GGUF is written from
+        verification = verify_in_memory(lm, choice, pruned, enc, healed=healing is not None)
+    log(f"{'reloaded ' + out.name if 'safetensors' in formats else 'pruned model'}: max |logit diff| "
+        f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
+        f"{verification['tolerance']:g})")
     reloaded = verification.pop("_model")
+    gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
+                        healed=healing is not None) if "gguf" in formats else None)
     task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
     speed = _speed(lm, reloaded, log) if measure_speed else None
     del reloaded
@@ -105,13 +115,15 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     del pruned
     meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
     meta["speed"] = speed
+    meta["formats"] = list(formats)
+    meta["gguf"] = gguf
     write_text(out / "README.md", model_card(meta))
     # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
     meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
                      if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
     meta["verified"] = True
     write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
-    return ExportResult(choice, stats, verification, task_eval, meta, speed)
+    return ExportResult(choice, stats, verification, task_eval, meta, speed, gguf)
 
 
 def _pruned_model(lm: LoadedModel, choice: LayoutChoice, enc: EncodedTask | None, heal):
@@ -190,6 +202,22 @@ def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: Encoded
     return result
 
 
+@torch.no_grad()
+def verify_in_memory(lm: LoadedModel, choice: LayoutChoice, pruned, enc: EncodedTask | None,
+                     healed: bool = False) -> dict:
+    """Without a safetensors export: the pruned model in memory against the ablated original (a healed model was
+    checked before healing)."""
+    ids = sample_prompts(lm, enc).to(lm.device)
+    if healed:
+        result = {"max_abs_logit_diff": 0.0, "tolerance": 0.0, "compared_in": "checked before healing"}
+    else:
+        result = compare_models(lm.model, pruned, ids, lm.dtype, "the pruned model", lambda: ablate(lm, choice.plan))
+    result.update(prompts=int(ids.shape[0]), tokens_per_prompt=int(ids.shape[1]),
+                  dtype=str(lm.dtype).replace("torch.", ""), reloaded=False)
+    result["_model"] = LoadedModel(pruned, lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
+    return result
+
+
 def _speed(lm: LoadedModel, reloaded: LoadedModel, log) -> dict:
     """The export timed against the original in this run (a few seconds); a failure is recorded, not fatal."""
     try:
@@ -203,7 +231,7 @@ def _speed(lm: LoadedModel, reloaded: LoadedModel, log) -> dict:
 
 
 def _files_digest(out: Path) -> str:
-    weights = sorted(p for p in out.iterdir() if p.suffix in (".safetensors", ".json") and p.name != MANIFEST)
+    weights = sorted(p for p in out.iterdir() if p.suffix in (".safetensors", ".json", ".gguf") and p.name != MANIFEST)
     return hashlib.sha256("".join(sha256_file(p) for p in weights).encode()).hexdigest()
 
 

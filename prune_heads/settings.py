@@ -57,6 +57,8 @@ class Settings:
     confirm_fraction: float = 0.0  # when the search uses every question: the share per subject held out to confirm
     gqa: str = "exact"  # with --units heads: exact (copy KV heads as needed) | balanced (same count per group)
     max_shard_size: str = "2GB"
+    export_format: str = "safetensors"  # --format: safetensors | gguf | both
+    gguf_type: str = "f16"  # --gguf-type: f32 | f16 | bf16 | q8_0
     export: bool = True
     resume: bool = False
     lora_adapter: str | None = None  # --adapter (peft LoRA): verify base+adapter, prune the base, slice the adapter
@@ -174,6 +176,21 @@ def _refuse_conflicts(values: dict) -> None:
             raise UserError(message)
 
 
+def _gguf_layout(values: dict, config) -> str:
+    """With a GGUF, check the family has a llama.cpp architecture (before anything loads); layout auto becomes
+    uniform where llama.cpp cannot build the family with per-layer heads."""
+    from .models.adapters import adapter_for
+
+    layout = values.get("layout", "auto")
+    if values.get("export_format", "safetensors") == "safetensors":
+        return layout
+    if values.get("lora_adapter"):
+        raise UserError("--adapter slices a LoRA adapter for the safetensors export; use --format safetensors with it")
+    arch = adapter_for(config.model_type)
+    arch.gguf_architecture(per_layer=layout == "per-layer")  # a UserError naming the alternative
+    return "uniform" if layout == "auto" and arch.gguf_per_layer_arch is None else layout
+
+
 def resolve_settings(model: str, recipe: str | None = None, overrides: dict | None = None, *,
                      source: ModelSource | None = None, config=None, **flags) -> Settings:
     """Read the model's config (cheap) to pick its recipe, then fill every unset flag from the recipe; every value
@@ -197,6 +214,7 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     if not 0 <= float(values.get("confirm_fraction") or 0) < 1:
         raise UserError(f"--confirm-fraction {values['confirm_fraction']!r} must lie in [0, 1); 0.3 holds out 30% "
                         "of each subject's questions")
+    values["layout"] = _gguf_layout(values, config)
     if "max_shard_size" in values:
         values["max_shard_size"] = check_shard_size(values["max_shard_size"])
     if isinstance(values.get("mmlu_subjects"), list):

@@ -139,19 +139,24 @@ def _export(run: Run, verifier: Verifier, selection: Selection, report: dict) ->
             "confirmation": {k: v for k, v in report.get("confirmation", {}).items() if k != "question_ids"}}
     if s.lora_adapter:
         result = export_pruned(run.base, selection.heads, run.stage, s.layout, s.max_shard_size, info=info,
-                               progress=s.progress, log=echo, planner=run.planner)
+                               progress=s.progress, log=echo, planner=run.planner, **_formats(s))
         report["adapter"] = _export_sliced_adapter(run, verifier, result.choice.plan, selection.result)
     else:
         # With --heal-in-search the chosen point was judged healed; before/after healing compares the ablation.
         ablated = verifier.evaluate_ablation(selection.heads) if s.heal_in_search else selection.result
         check = ExportCheck(run.enc, verifier.baseline, ablated, exported_evaluator(run.work, run.enc), s.batch_size)
         result = export_pruned(run.lm, selection.heads, run.stage, s.layout, s.max_shard_size, check=check, info=info,
-                               progress=s.progress, log=echo, heal=verifier.heal, planner=run.planner)
+                               progress=s.progress, log=echo, heal=verifier.heal, planner=run.planner, **_formats(s))
     report["export"] = {"layout": result.choice.layout, "reason": result.choice.reason,
                         "options": result.choice.options, "stats": result.stats,
                         "verification": result.verification, "task_eval": result.task_eval,
-                        "healing": result.manifest.get("healing"), "speed": result.speed}
+                        "healing": result.manifest.get("healing"), "speed": result.speed, "gguf": result.gguf}
     return result
+
+
+def _formats(s: Settings) -> dict:
+    formats = ("safetensors", "gguf") if s.export_format == "both" else (s.export_format,)
+    return {"formats": formats, "gguf_type": s.gguf_type}
 
 
 def exported_evaluator(work: Work, enc):
@@ -203,7 +208,7 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
                                 exported_evaluator(run.work, run.enc), settings.batch_size)
         result = export_pruned(run.lm, heads, staged.path, settings.layout, settings.max_shard_size, check=check,
                                info={"scorer": None, "budget": None, "warnings": warnings}, progress=settings.progress,
-                               log=echo, planner=run.planner)
+                               log=echo, planner=run.planner, **_formats(settings))
         write_json(staged.path / "heads.json", heads.to_json())
     echo(f"exported {len(heads)} removed heads ({result.choice.layout} layout): {out}", fg="green")
     return result

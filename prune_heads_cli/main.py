@@ -92,6 +92,11 @@ def common_options(f):
 
 
 def export_options(f):
+    f = click.option("--gguf-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16",
+                     show_default=True, help="Tensor type of the GGUF's matrices (norms stay f32).")(f)
+    f = click.option("--format", "export_format", type=click.Choice(["safetensors", "gguf", "both"]),
+                     default="safetensors", show_default=True, help="safetensors (transformers), gguf (one model.gguf "
+                     "that llama.cpp runs, verified in llama.cpp when llama-cpp-python is installed), or both.")(f)
     f = click.option("--max-shard-size", default="2GB", show_default=True,
                      help="Largest safetensors shard (e.g. 500MB, 5GB).")(f)
     f = click.option("--layout", type=click.Choice(["auto", "uniform", "per-layer", "masked"]), default="auto",
@@ -194,8 +199,9 @@ def prepare(kw: dict, allow_auto: bool = False, **extra):
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, units, objective, decision, confirm,
-        confirm_fraction, gqa, no_export, adapter, heal_steps, heal_data, heal_in_search, push_to, private, **kw):
+def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, export_format, gguf_type, units, objective,
+        decision, confirm, confirm_fraction, gqa, no_export, adapter, heal_steps, heal_data, heal_in_search, push_to,
+        private, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     (or --task's, or the answer KL) within --budget, remove those heads, and write the verified smaller
     model, report, heads.json and plots to --out.
@@ -219,7 +225,8 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, unit
     if private and not push_to:
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
     settings, inputs = prepare(kw, True, budget=budget, metric=metric, scorer=scorer, layout=layout,
-                               max_shard_size=max_shard_size, units=units, objective=objective, decision=decision,
+                               max_shard_size=max_shard_size, export_format=export_format, gguf_type=gguf_type,
+                               units=units, objective=objective, decision=decision,
                                confirm=confirm, confirm_fraction=confirm_fraction,
                                gqa=gqa,
                                export=not no_export, lora_adapter=adapter,
@@ -259,12 +266,13 @@ def eval_cmd(ablate, **kw):
               help="heads.json: {layer: [head, ...]} to remove.")
 @click.option("--no-mmlu", "--no-task-eval", "no_task_eval", is_flag=True,
               help="Verify logits only, skip the task evaluations.")
-def export_cmd(heads_file, layout, max_shard_size, no_task_eval, **kw):
+def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, no_task_eval, **kw):
     """Remove a given head set (no search), write the smaller model to --out and verify it."""
     from .commands import run_export
 
     heads = HeadSet.load(heads_file)
-    settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size)
+    settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size, export_format=export_format,
+                               gguf_type=gguf_type)
     check_heads(heads, inputs.config)
     run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval)
 

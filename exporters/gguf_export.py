@@ -1,0 +1,101 @@
+"""The GGUF stage of an export: write ``model.gguf``, then prove it in llama.cpp.
+
+In order: write the pruned model (gguf_file.py); write the unpruned model the same way and measure its round trip
+against the unablated model (what llama.cpp's arithmetic and the tensor type alone cost); run the pruned GGUF in
+llama.cpp on the sample prompts and compare its logits with the verified ablation (max |diff| within twice the round
+trip's plus 1e-3, argmax agreement no more than 2 points below the round trip's); check llama.cpp's tokenizer splits
+the prompts' text as the Hugging Face one does; time both GGUFs. A failed check is an error: the staging directory,
+and the GGUF in it, never reaches the final name. Without llama-cpp-python the file is written and marked as not
+verified in llama.cpp.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from prune_heads.ablation import ablate
+from prune_heads.errors import UserError
+from prune_heads.models.loading import LoadedModel
+from prune_heads.planning import LayoutChoice
+from prune_heads.verify import float32_parameters
+
+from . import llamacpp
+from .gguf_file import write_gguf
+
+GGUF_NAME = "model.gguf"
+ARGMAX_SLACK = 0.02  # share of positions the pruned GGUF may agree less often than the unpruned round trip
+
+
+def export_gguf(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, tensor_type: str, ids: torch.Tensor,
+                log=print, measure_speed: bool = True, healed: bool = False) -> dict:
+    """Write ``out/model.gguf`` and verify it in llama.cpp (when installed): against the verified ablation, or, when
+    ``healed``, against ``pruned`` itself (the healed model that ships). Returns the manifest's ``gguf``."""
+    geometries = lm.arch.geometries(lm.model)
+    shapes = [(g.num_heads, g.num_kv_heads) for g in geometries] if choice.layout == "masked" else choice.plan.shapes
+    path = out / GGUF_NAME
+    info = write_gguf(lm, pruned, shapes, path, tensor_type)
+    info["bytes"] = path.stat().st_size
+    log(f"wrote {GGUF_NAME} ({info['architecture']}, {tensor_type}, {info['bytes'] / 2**20:.1f} MiB)")
+    if not llamacpp.available():
+        log(f"llama.cpp is not installed: {GGUF_NAME} was written but not run in llama.cpp; {llamacpp.INSTALL_HINT}")
+        return {**info, "verified_in_llama_cpp": False, "why_not": "llama-cpp-python is not installed"}
+    scratch = out / ".gguf-unpruned"
+    scratch.mkdir(exist_ok=True)
+    try:
+        original = scratch / GGUF_NAME
+        write_gguf(lm, lm.model, [(g.num_heads, g.num_kv_heads) for g in geometries], original, tensor_type)
+        check = _verify(lm, choice, path, original, ids, log, pruned if healed else None)
+        speed = _speed(lm, path, original, log) if measure_speed else None
+        original_bytes = original.stat().st_size
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {**info, "verified_in_llama_cpp": True, "llama_cpp_python": llamacpp.version(), **check,
+            "unpruned_bytes": original_bytes, "speed": speed}
+
+
+def _reference_logits(lm: LoadedModel, ids: torch.Tensor, plan=None, model=None):
+    """The transformers model's logits in float32: ``lm`` with ``plan`` ablated (the verified model), or ``model``."""
+    if model is not None:
+        with torch.no_grad(), float32_parameters(model, lm.dtype != torch.float32):
+            return model(input_ids=ids.to(lm.device)).logits.float().cpu().numpy()
+    with torch.no_grad(), float32_parameters(lm.model, lm.dtype != torch.float32), ablate(lm, plan):
+        return lm.model(input_ids=ids.to(lm.device)).logits.float().cpu().numpy()
+
+
+def _verify(lm: LoadedModel, choice: LayoutChoice, path: Path, original: Path, ids: torch.Tensor, log,
+            healed=None) -> dict:
+    prompts = ids.tolist()
+    n_ctx = ids.shape[1] + 8
+    roundtrip = llamacpp.compare(_reference_logits(lm, ids), llamacpp.logits(llamacpp.load(original, n_ctx), prompts))
+    llm = llamacpp.load(path, n_ctx)
+    result = llamacpp.compare(_reference_logits(lm, ids, choice.plan, healed), llamacpp.logits(llm, prompts))
+    texts = [lm.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
+    tokens = llamacpp.tokenizer_agreement(llm, lm.tokenizer, texts)
+    tolerance = 2 * roundtrip["max_abs_logit_diff"] + 1e-3
+    record = {**{k: round(v, 6) for k, v in result.items()}, "tolerance": round(tolerance, 6),
+              "unpruned_round_trip": {k: round(v, 6) for k, v in roundtrip.items()},
+              "prompts": len(prompts), "tokens_per_prompt": int(ids.shape[1]), "tokenizer_agreement": tokens}
+    log(f"llama.cpp runs {path.name}: max |logit diff| {result['max_abs_logit_diff']:.3g} against the verified model "
+        f"(tolerance {tolerance:.3g}, from the unpruned round trip's {roundtrip['max_abs_logit_diff']:.3g}), argmax "
+        f"agreement {100 * result['argmax_agreement']:.1f}% (round trip {100 * roundtrip['argmax_agreement']:.1f}%), "
+        f"tokenizer agreement {100 * tokens:.0f}%")
+    if (result["max_abs_logit_diff"] > tolerance or tokens < 1.0
+            or result["argmax_agreement"] < roundtrip["argmax_agreement"] - ARGMAX_SLACK):
+        raise UserError(f"the GGUF does not run in llama.cpp as the verified model does ({record}); nothing was "
+                        "written under --out (please report this as a bug)")
+    return record
+
+
+def _speed(lm: LoadedModel, path: Path, original: Path, log) -> dict:
+    """Tokens/s of both GGUFs in llama.cpp; a failure is recorded, never fatal."""
+    try:
+        speed = llamacpp.speed(path, original, vocab=int(lm.config.vocab_size))
+    except Exception as e:  # noqa: BLE001  (timing must never lose a verified export)
+        return {"skipped": f"{type(e).__name__}: {str(e)[:120]}"}
+    log(f"llama.cpp speed ({speed['threads']} threads): prompt {speed['pruned_prompt_tokens_per_s']:.0f} tok/s vs "
+        f"{speed['original_prompt_tokens_per_s']:.0f} (x{speed['prompt_speedup']:.2f}), generation "
+        f"{speed['pruned_generation_tokens_per_s']:.0f} vs {speed['original_generation_tokens_per_s']:.0f} tok/s "
+        f"(x{speed['generation_speedup']:.2f})")
+    return speed
