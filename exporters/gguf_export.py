@@ -26,10 +26,13 @@ from . import llamacpp
 from .gguf_file import write_gguf
 
 GGUF_NAME = "model.gguf"
-ARGMAX_SLACK = 0.02  # share of positions the pruned GGUF may agree less often than the unpruned round trip
+# Share of positions the pruned GGUF may agree less often than the unpruned round trip: q8_0 also quantises the
+# activations, so near-ties flip by chance.
+ARGMAX_SLACK = {"f32": 0.01, "f16": 0.02, "bf16": 0.03, "q8_0": 0.06}
 # The round trip calibrates the tolerance only if it is sound itself: its max |logit diff| relative to the largest
 # logit stays under what the tensor type alone can explain, and it agrees on the argmax almost everywhere. (A writer
-# bug would otherwise widen the tolerance it is judged by.)
+# bug would otherwise widen the tolerance it is judged by.) The checks keep llama.cpp's KV cache in float32: with its
+# default f16 cache even an f32 GGUF differs by ~2e-3 of the largest logit after 30 layers.
 ROUND_TRIP_RTOL = {"f32": 1e-3, "f16": 2e-2, "bf16": 6e-2, "q8_0": 1e-1}
 ROUND_TRIP_MIN_ARGMAX = {"f32": 0.98, "f16": 0.95, "bf16": 0.9, "q8_0": 0.8}
 
@@ -74,7 +77,8 @@ def _round_trip(lm: LoadedModel, original: Path, ids: torch.Tensor, tensor_type:
     """The unpruned model's GGUF against the unablated model: what llama.cpp and the tensor type alone cost, itself
     checked against the type's bound. Returns (comparison, bound)."""
     unablated = _reference_logits(lm, ids)
-    roundtrip = llamacpp.compare(unablated, llamacpp.logits(llamacpp.load(original, ids.shape[1] + 8), ids.tolist()))
+    roundtrip = llamacpp.compare(unablated, llamacpp.logits(llamacpp.load(original, ids.shape[1] + 8, f32_cache=True),
+                                                        ids.tolist()))
     bound = ROUND_TRIP_RTOL[tensor_type] * max(1.0, float(abs(unablated).max()))
     if roundtrip["max_abs_logit_diff"] > bound or roundtrip["argmax_agreement"] < ROUND_TRIP_MIN_ARGMAX[tensor_type]:
         raise UserError(f"the unpruned model's own GGUF does not run in llama.cpp as it does in transformers "
@@ -87,7 +91,7 @@ def _verify(lm: LoadedModel, choice: LayoutChoice, path: Path, original: Path, i
             log, healed=None) -> dict:
     roundtrip, bound = _round_trip(lm, original, ids, tensor_type)
     prompts = ids.tolist()
-    llm = llamacpp.load(path, ids.shape[1] + 8)
+    llm = llamacpp.load(path, ids.shape[1] + 8, f32_cache=True)
     result = llamacpp.compare(_reference_logits(lm, ids, choice.plan, healed), llamacpp.logits(llm, prompts))
     texts = [lm.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
     tokens = llamacpp.tokenizer_agreement(llm, lm.tokenizer, texts)
@@ -100,7 +104,7 @@ def _verify(lm: LoadedModel, choice: LayoutChoice, path: Path, original: Path, i
         f"agreement {100 * result['argmax_agreement']:.1f}% (round trip {100 * roundtrip['argmax_agreement']:.1f}%), "
         f"tokenizer agreement {100 * tokens:.0f}%")
     if (result["max_abs_logit_diff"] > tolerance or tokens < 1.0
-            or result["argmax_agreement"] < roundtrip["argmax_agreement"] - ARGMAX_SLACK):
+            or result["argmax_agreement"] < roundtrip["argmax_agreement"] - ARGMAX_SLACK[tensor_type]):
         raise UserError(f"the GGUF does not run in llama.cpp as the verified model does ({record}); nothing was "
                         "written under --out (please report this as a bug)")
     return record

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+GGML_TYPE_F32 = 0
 INSTALL_HINT = "pip install 'prune-heads[gguf]' (builds llama.cpp from source: a C++ compiler and cmake)"
 
 
@@ -28,11 +29,15 @@ def version() -> str:
     return llama_cpp.__version__
 
 
-def load(path: Path, n_ctx: int):
-    """A llama.cpp context on ``path`` returning logits at every position, on this machine's cores."""
+def load(path: Path, n_ctx: int, flash_attn: bool = False, f32_cache: bool = False):
+    """A llama.cpp context on ``path`` returning logits at every position, on this machine's cores. Flash attention
+    keeps a KV cache whose layers differ in width unpadded (the speed runs use it); ``f32_cache`` keeps K and V in
+    float32 instead of llama.cpp's default f16 (the logit checks use it: they test the file, not the cache type)."""
     from llama_cpp import Llama
 
-    return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, seed=0,
+    cache = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_cache else {}
+    return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, seed=0, flash_attn=flash_attn,
+                 **cache,
                  verbose=bool(os.environ.get("PRUNE_HEADS_LLAMA_VERBOSE")), n_threads=os.cpu_count(),
                  n_threads_batch=os.cpu_count())
 
@@ -63,13 +68,13 @@ def tokenizer_agreement(llm, tokenizer, texts: list[str]) -> float:
     return same / max(len(texts), 1)
 
 
-def speed(pruned: Path, original: Path, prompt_tokens: int = 256, generate: int = 32, rounds: int = 3,
+def speed(pruned: Path, original: Path, prompt_tokens: int = 256, generate: int = 32, rounds: int = 5,
           vocab: int = 32000) -> dict:
     """Prompt and generation tokens/s of both GGUFs, in alternating rounds (median of each)."""
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, prompt_tokens).tolist()
-    models = {"pruned": load(pruned, prompt_tokens + generate + 8), "original": load(original, prompt_tokens +
-                                                                                    generate + 8)}
+    n_ctx = prompt_tokens + generate + 8
+    models = {"pruned": load(pruned, n_ctx, flash_attn=True), "original": load(original, n_ctx, flash_attn=True)}
     times: dict[str, dict[str, list[float]]] = {k: {"prompt": [], "generate": []} for k in models}
     for _ in range(rounds):
         for name, llm in models.items():
@@ -78,6 +83,7 @@ def speed(pruned: Path, original: Path, prompt_tokens: int = 256, generate: int 
             times[name]["generate"].append(generate / g)
     med = {k: {m: statistics.median(v) for m, v in t.items()} for k, t in times.items()}
     return {"prompt_tokens": prompt_tokens, "generated_tokens": generate, "rounds": rounds, "threads": os.cpu_count(),
+            "flash_attention": True,
             "pruned_prompt_tokens_per_s": round(med["pruned"]["prompt"], 1),
             "original_prompt_tokens_per_s": round(med["original"]["prompt"], 1),
             "pruned_generation_tokens_per_s": round(med["pruned"]["generate"], 1),

