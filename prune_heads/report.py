@@ -127,6 +127,7 @@ def prune_report(run, scores, calibration: str, verifier, selection, gqa_options
     s, budget = run.settings, run.settings.budget
     return {
         "model": run.lm.source.to_json(),
+        "dtype": run.lm.extra.get("dtype_choice"),
         "architecture": architecture_summary(run.lm),
         "recipe": s.recipe.to_json(),
         "settings": s.to_json(),

@@ -86,8 +86,10 @@ def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory, encode
 def describe(run: Run) -> str:
     geos = run.lm.arch.geometries(run.lm.model)
     s = run.settings
+    choice = run.lm.extra.get("dtype_choice")
+    why = f" ({choice['reason']})" if choice and s.dtype == "auto" else ""
     return (f"{run.lm.source.spec}: {run.lm.config.model_type}, {len(geos)} layers x {geos[0].num_heads} heads "
-            f"({geos[0].num_kv_heads} KV), {run.lm.dtype} on {run.lm.device}; recipe {s.recipe.name}; "
+            f"({geos[0].num_kv_heads} KV), {run.lm.dtype} on {run.lm.device}{why}; recipe {s.recipe.name}; "
             f"{len(run.enc)} {s.task} questions in {len(run.enc.subjects)} subjects")
 
 

@@ -7,6 +7,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .evaluation import EncodedTask
+from .models.dtypes import available_bytes
 from .models.loading import LoadedModel
 
 # Relative to the largest |logit|: the pruned model runs the same arithmetic on fewer heads, but kernels pick
@@ -46,20 +47,6 @@ def float32_parameters(model: torch.nn.Module, enabled: bool = True):
         for name, p in model.named_parameters():
             if name in changed:
                 p.data = p.data.to(changed[name])
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory on ``device`` (MemAvailable for the CPU), or None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def comparison_dtype(models: list[torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from prune_heads.errors import UserError
 from prune_heads.recipes import builtin_recipes, load_recipe, recipe_for
@@ -7,7 +8,7 @@ from prune_heads.recipes import builtin_recipes, load_recipe, recipe_for
 def test_builtin_recipes_exist_and_fill_from_default():
     assert {"default", "llama3", "smollm2", "qwen2.5", "olmo2"} <= set(builtin_recipes())
     r = load_recipe("smollm2")
-    assert r.get("scorer") == "ahon_ln" and r.get("dtype") == "bfloat16"
+    assert r.get("scorer") == "ahon_ln" and r.get("dtype") == "auto"
     assert r.get("mmlu_per_subject", "cpu") == 6 and r.get("mmlu_per_subject", "cuda") is None
     assert len(r.get("mmlu_subjects", "cpu")) == 19 and r.get("mmlu_subjects", "cuda") is None  # all 57 on a GPU
     # SmolLM2-135M answers MMLU at chance: its recipe budgets the answer KL, which has signal there.
@@ -54,3 +55,28 @@ def test_budget_unit_beats_recipe_metric_but_explicit_metric_conflicts(tmp_path)
     assert resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="0.1").metric == "kl"
     with pytest.raises(UserError, match="but --metric is kl"):
         resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="1%", metric="kl")
+
+
+def test_dtype_auto_measures_the_cpu_and_memory_can_overrule(monkeypatch):
+    """bfloat16 only where this CPU computes it faster than float32 (as measured), or where float32 would not fit."""
+    import prune_heads.models.dtypes as dtypes
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dtypes, "cpu_matmul_speeds", lambda: (133.0, 31.0))  # a Xeon without AVX512_BF16/AMX
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: [])
+    choice = dtypes.auto_dtype(cpu, 4 << 30, 64 << 30)
+    assert choice.dtype == torch.float32 and "bf16 matmul 31 GFLOP/s vs float32 133" in choice.reason
+    low = dtypes.auto_dtype(cpu, 40 << 30, 32 << 30)  # float32 weights of a 10B model, 32 GiB free
+    assert low.dtype == torch.bfloat16 and "would not fit" in low.reason
+    monkeypatch.setattr(dtypes, "cpu_matmul_speeds", lambda: (120.0, 400.0))  # AVX512_BF16 / AMX
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    fast = dtypes.auto_dtype(cpu, 4 << 30, 64 << 30)
+    assert fast.dtype == torch.bfloat16 and "avx512_bf16" in fast.reason
+
+
+def test_dtype_auto_on_this_machine_follows_its_measurement():
+    import prune_heads.models.dtypes as dtypes
+
+    f32, bf16 = dtypes.cpu_matmul_speeds()
+    choice = dtypes.auto_dtype(torch.device("cpu"))
+    assert choice.dtype == (torch.bfloat16 if bf16 > dtypes.FASTER * f32 else torch.float32)

