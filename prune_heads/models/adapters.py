@@ -145,12 +145,13 @@ class ArchAdapter:
     # llama.cpp's rope for the architecture rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM) where transformers rotates
     # halves: each head's q/k rows are interleaved on the way out.
     gguf_rope_pairs: ClassVar[bool] = False
+    gguf_unsupported: ClassVar[str] = "no llama.cpp mapping written for it"
 
     def gguf_architecture(self, per_layer: bool) -> str:
         """The llama.cpp architecture to write, or a UserError naming what to do instead."""
         if self.gguf_arch is None:
             raise UserError(f"--format gguf supports llama, mistral, smollm2, qwen2 and qwen3 checkpoints, not "
-                            f"{self.name}; use --format safetensors")
+                            f"{self.name} ({self.gguf_unsupported}); use --format safetensors")
         if per_layer and self.gguf_per_layer_arch is None:
             raise UserError(f"this export has per-layer head counts, but {self.gguf_no_per_layer}; pass --layout "
                             "uniform (the same heads in every layer) for a GGUF")
@@ -262,6 +263,7 @@ class Olmo2Adapter(ArchAdapter):
     name = "olmo2"
     model_types = ("olmo2",)
     qk_norm = "across_heads"
+    gguf_unsupported = "llama.cpp's olmo2 graph wants q and its norm as wide as the hidden size: no head can go"
 
     def across_head_norms(self, attn):
         return {"q": attn.q_norm, "k": attn.k_norm}
@@ -279,6 +281,8 @@ class Gemma2Adapter(ArchAdapter):
     name = "gemma2"
     model_types = ("gemma2",)
     add_bos_for_eval = True
+    gguf_unsupported = ("llama.cpp's gemma graphs accept pruned heads, but prune-heads does not yet write their norm "
+                        "offsets, softcapping and SentencePiece tokenizer")
 
     def valid_num_heads(self, config, num_heads):
         return num_heads > 0 and config.hidden_size % num_heads == 0  # Gemma configs refuse other counts
@@ -294,6 +298,7 @@ class Phi3Adapter(ArchAdapter):
     name = "phi3"
     model_types = ("phi3",)
     fused_qkv = True
+    gguf_unsupported = "llama.cpp's phi3 graph wants q as wide as the hidden size: no head can go"
     lora_targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     projections = {"qkv_proj": "qkv", "o_proj": "o"}
 
