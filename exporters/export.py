@@ -97,22 +97,25 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     log(f"layout {choice.layout}: {choice.reason}")
     enc = check.enc if check is not None else None
     pruned, healing = _pruned_model(lm, choice, enc, heal)
+    stats = export_stats(lm, pruned, choice, heads)
+    gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
+                        healed=healing is not None) if "gguf" in formats else None)
     if "safetensors" in formats:
         _write(lm, pruned, choice, out, max_shard_size)
-        verification = verify_export(lm, choice, out, enc, reference=pruned if healing else None)
-    else:  # GGUF alone: the pruned model in memory is what the GGUF is written from
+        reference = pruned if healing else None
+        del pruned  # the reload below is the pruned model from now on: never two copies at once
+        verification = verify_export(lm, choice, out, enc, reference=reference)
+        del reference
+    else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
         verification = verify_in_memory(lm, choice, pruned, enc, healed=healing is not None)
+        del pruned
     log(f"{'reloaded ' + out.name if 'safetensors' in formats else 'pruned model'}: max |logit diff| "
         f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
         f"{verification['tolerance']:g})")
     reloaded = verification.pop("_model")
-    gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
-                        healed=healing is not None) if "gguf" in formats else None)
     task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
     speed = _speed(lm, reloaded, log) if measure_speed else None
     del reloaded
-    stats = export_stats(lm, pruned, choice, heads)
-    del pruned
     meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
     meta["speed"] = speed
     meta["formats"] = list(formats)
@@ -127,8 +130,9 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
 
 
 def _pruned_model(lm: LoadedModel, choice: LayoutChoice, enc: EncodedTask | None, heal):
-    """A physically pruned copy (healed if asked, after checking the unhealed copy against the ablation)."""
-    pruned = pruned_copy(lm.model, lm.arch, choice.plan)
+    """A physically pruned copy (healed if asked, after checking the unhealed copy against the ablation). Without
+    healing it shares every unsliced weight with the original."""
+    pruned = pruned_copy(lm.model, lm.arch, choice.plan, share=heal is None)
     if heal is None:
         return pruned, None
     ids = sample_prompts(lm, enc).to(lm.device)

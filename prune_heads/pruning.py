@@ -49,10 +49,14 @@ def apply_plan(model: nn.Module, arch: ArchAdapter, plan: PrunePlan) -> None:
         arch.set_head_counts(attn, lp.num_heads, lp.num_kv_heads)
 
 
-def pruned_copy(model: nn.Module, arch: ArchAdapter, plan: PrunePlan) -> nn.Module:
-    """A deep copy of ``model`` with the plan applied (the original is left untouched). The copy is a plain model:
-    a GGUF source was dequantised on load, so its quantizer flags (which forbid casting and training) are dropped."""
-    new = copy.deepcopy(model)
+def pruned_copy(model: nn.Module, arch: ArchAdapter, plan: PrunePlan, share: bool = False) -> nn.Module:
+    """A copy of ``model`` with the plan applied (the original is left untouched). With ``share`` every parameter the
+    plan does not slice (embeddings, MLPs, norms) is the original's own tensor, so the copy costs only its new
+    attention weights; only for a copy nobody trains or edits in place (healing merges LoRA into its weights: it needs
+    ``share=False``). The copy is a plain model: a GGUF source was dequantised on load, so its quantizer flags (which
+    forbid casting and training) are dropped."""
+    memo = {id(p): p for p in model.parameters()} if share else {}
+    new = copy.deepcopy(model, memo)
     apply_plan(new, arch, plan)
     new.hf_quantizer = None
     for attr in ("is_quantized", "quantization_method"):
