@@ -91,6 +91,10 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
 
     ``heal(pruned_model, plan) -> (healed_model, record)`` (LoRA healing) runs on the physically pruned model once
     it is checked against the ablated original; the export then ships, and is verified against, the healed model."""
+    if any(p.device.type == "meta" for p in lm.model.parameters()):
+        raise UserError("part of the model is offloaded to disk (--device-map), and an export needs every weight in "
+                        "memory or on a GPU; search with --no-export here, then run prune-heads export --heads "
+                        "OUT/heads.json where the model fits")
     geometries = lm.arch.geometries(lm.model)
     heads.validate(len(geometries), [g.num_heads for g in geometries])
     choice = (planner or planner_for(lm)).choose(heads, layout)

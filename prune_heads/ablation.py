@@ -17,6 +17,7 @@ import torch
 
 from .heads import HeadSet
 from .models.loading import LoadedModel
+from .models.placement import live_weight
 from .planning import LayerPlan, PrunePlan
 
 
@@ -51,7 +52,7 @@ class HeadAblation:
                 return None
             (x, *rest) = args
             m = self.mask[..., layer, : geo.num_heads]  # [H] or [B, H]
-            m = m.to(x.dtype)
+            m = m.to(device=x.device, dtype=x.dtype)  # a device-mapped layer may sit on another device
             shape = x.shape
             x = x.view(*shape[:-1], geo.num_heads, geo.head_dim)
             if m.dim() == 1:
@@ -82,7 +83,7 @@ class HeadAblation:
                     counts[h] += 1
             variance = (per_head * counts).sum(-1, keepdim=True) / (len(index) * d)
             normed = xf * torch.rsqrt(variance + module.variance_epsilon)
-            return (module.weight * normed).to(x.dtype)
+            return (live_weight(module) * normed).to(x.dtype)
 
         return hook
 

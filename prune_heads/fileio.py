@@ -134,10 +134,16 @@ class StagedDirectory:
         (self.path / ".lock").unlink(missing_ok=True)
         StagedDirectory.current = None
 
+    @property
+    def offload_dir(self) -> Path:
+        """Where accelerate offloads weights with --device-map (a copy of the model: removed before commit)."""
+        return self.path / ".offload"
+
     def commit(self) -> Path:
         import shutil
 
         self._release()
+        shutil.rmtree(self.offload_dir, ignore_errors=True)
         old = None
         if self.out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
@@ -158,6 +164,7 @@ class StagedDirectory:
         import shutil
 
         self._release()
+        shutil.rmtree(self.offload_dir, ignore_errors=True)
         if not any(self.cache_dir.glob("*.safetensors")):
             shutil.rmtree(self.path, ignore_errors=True)
 

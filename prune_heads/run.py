@@ -30,6 +30,7 @@ from .inputs import (
     with_questions_per_subject,
 )
 from .models.loading import LoadedModel, load_model
+from .models.placement import device_map_option, max_memory_option
 from .planning import Planner, planner_for
 from .report import chance_warning
 from .resolution import Resolution, per_subject_for
@@ -67,14 +68,17 @@ class Run:
         return self.staged.path
 
 
-def load(settings: Settings, inputs: Inputs) -> LoadedModel:
+def load(settings: Settings, inputs: Inputs, offload_dir: Path | None = None) -> LoadedModel:
     return load_model(settings.model, settings.dtype, settings.device, settings.trust_remote_code, settings.revision,
-                      settings.allow_pickle, source=inputs.source, config=inputs.config)
+                      settings.allow_pickle, source=inputs.source, config=inputs.config,
+                      device_map=device_map_option(settings.device_map),
+                      max_memory=max_memory_option(settings.max_memory),
+                      offload_dir=str(offload_dir) if offload_dir else None)
 
 
 def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory, encode: bool = True) -> Run:
     """Load the model (and merge --adapter into a copy), open the result cache, encode the task."""
-    base = load(settings, inputs)
+    base = load(settings, inputs, staged.offload_dir if settings.device_map else None)
     # With --adapter, everything is scored and verified on the user's actual model (base with the adapter merged);
     # the base is pruned and the adapter sliced to fit it.
     lm = with_adapter_merged(base, settings.lora_adapter) if settings.lora_adapter else base

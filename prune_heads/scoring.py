@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from . import attention_stats
 from .heads import BASE_KEYS, ScoreTable
 from .models.loading import LoadedModel
+from .models.placement import live_weight
 
 _EPS = 1e-12
 
@@ -97,7 +98,7 @@ class _ScoringProbe:
             # Gram matrix G_h = W_O^h^T W_O^h ([D, D]): a D x D product per head instead of D x hidden.
             gram = self._gram.get(layer)
             if gram is None:
-                w = o_proj.weight.float().view(o_proj.out_features, geo.num_heads, geo.head_dim)  # [out, H, D]
+                w = live_weight(o_proj).float().view(o_proj.out_features, geo.num_heads, geo.head_dim)  # [out, H, D]
                 gram = self._gram[layer] = torch.einsum("ohd,ohe->hde", w, w)  # [H, D, D]
             wo_sq = (torch.einsum("bshd,hde->bshe", o, gram) * o).sum(-1)
             wo_norm = wo_sq.clamp(min=0).sqrt()  # [B, S, H]

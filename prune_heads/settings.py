@@ -13,6 +13,7 @@ from .data.tasks import MMLU_TASKS, task_format
 from .errors import UserError
 from .heads import SCORE_KEYS
 from .models.loading import EMBEDDED_MODELS, ModelSource, load_config, resolve_device, resolve_source
+from .models.placement import device_map_option, max_memory_option
 from .recipes import Recipe, load_recipe, recipe_for
 from .search import DEFAULT_GRID, METRIC_TASKS, Budget
 
@@ -25,6 +26,8 @@ class Settings:
     recipe: Recipe
     budget: Budget
     device: str = "auto"
+    device_map: str | None = None  # --device-map: auto | balanced | balanced_low_0 | sequential | FILE.json
+    max_memory: str | None = None  # --max-memory 0=20GiB,cpu=60GiB (with --device-map)
     dtype: str = "auto"
     scorer: str = "ahon_ln"
     task: str = "mmlu"  # mmlu | mmlu-cloze | arc_easy | arc_challenge | hellaswag | piqa | winogrande
@@ -168,6 +171,8 @@ def _refuse_conflicts(values: dict) -> None:
          "--kl-text-size N there"),
         (v("size_questions") and v("heal_in_search"),
          "--mmlu-per-subject auto predicts from an ablation, but --heal-in-search judges healed models; give a number"),
+        (v("max_memory") and not v("device_map"),
+         "--max-memory sizes the devices of --device-map; add --device-map auto (or balanced, sequential, FILE.json)"),
         (v("lora_adapter") and v("export") is False,
          "--adapter slices the adapter to fit the export; drop --no-export"),
     ]
@@ -215,6 +220,8 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
         raise UserError(f"--confirm-fraction {values['confirm_fraction']!r} must lie in [0, 1); 0.3 holds out 30% "
                         "of each subject's questions")
     values["layout"] = _gguf_layout(values, config)
+    device_map_option(values.get("device_map"))  # a bad placement fails here, before anything loads
+    max_memory_option(values.get("max_memory"))
     if "max_shard_size" in values:
         values["max_shard_size"] = check_shard_size(values["max_shard_size"])
     if isinstance(values.get("mmlu_subjects"), list):

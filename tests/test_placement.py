@@ -1,0 +1,69 @@
+"""--device-map (accelerate's big-model inference): part of a tiny model offloaded to disk gives the same scores,
+predictions and log-likelihoods as the model in memory, through the commands; a disk-offloaded model is not exported
+(one line saying how); bad placements are refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_mmlu import _cais_file
+from tiny import run_cli, save_tiny
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("placement"), "llama")
+
+
+def _device_map(tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                                "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "disk",
+                                "model.norm": "cpu", "lm_head": "cpu"}))
+    return path
+
+
+def _main(model_dir, tmp_path, capsys, name, *extra, code=0):
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=12)
+    got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", tmp_path / name, "--calibration-size", "4",
+                           "--dtype", "float32", "--no-progress", "--budget", "100%", "--mmlu-per-subject", "3",
+                           *extra], capsys)
+    assert got == code, err
+    return (json.loads((tmp_path / name / "report.json").read_text()) if code == 0 else None), err
+
+
+def test_disk_offload_gives_the_same_search(model_dir, tmp_path, capsys):
+    plain, _ = _main(model_dir, tmp_path, capsys, "plain", "--no-export")
+    mapped, _ = _main(model_dir, tmp_path, capsys, "mapped", "--no-export", "--device-map", _device_map(tmp_path))
+    assert plain["scores"] == mapped["scores"]
+    strip = lambda points: [{k: v for k, v in p.items() if k != "shipped"} for p in points]  # noqa: E731
+    assert strip(plain["points"]) == strip(mapped["points"]) and plain["final"] == mapped["final"]
+    assert not (tmp_path / "mapped" / ".offload").exists()
+
+
+def test_disk_offload_eval_log_likelihoods_equal(model_dir, tmp_path, capsys):
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=12)
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"1": [0, 2], "3": [5]}))
+    rows = {}
+    for name, extra in (("plain", []), ("mapped", ["--device-map", str(_device_map(tmp_path))])):
+        got, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu, "--out", tmp_path / name, "--ablate",
+                               heads, "--dtype", "float32", "--no-progress", "--mmlu-per-subject", "3", *extra], capsys)
+        assert got == 0, err
+        rows[name] = [json.loads(line) for line in (tmp_path / name / "mmlu.jsonl").read_text().splitlines()]
+    assert rows["plain"] == rows["mapped"] and len(rows["plain"]) == 6
+
+
+def test_an_offloaded_model_is_not_exported(model_dir, tmp_path, capsys):
+    _, err = _main(model_dir, tmp_path, capsys, "out", "--device-map", _device_map(tmp_path), code=2)
+    assert "offloaded to disk" in err and "--no-export" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device-map", "auto", "--max-memory", "lots"], "is not a list of DEVICE=SIZE"),
+    (["--max-memory", "0=10GiB"], "add --device-map auto"),
+    (["--device-map", "missing.json"], "does not exist"),
+])
+def test_bad_placements_are_refused_before_loading(model_dir, tmp_path, capsys, args, message):
+    _, err = _main(model_dir, tmp_path, capsys, "out", *args, code=2)
+    assert message in err and "resuming" not in err
