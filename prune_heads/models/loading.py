@@ -187,6 +187,30 @@ def check_loading_info(spec: str, info: dict) -> None:
                             "pass a complete checkpoint of a supported architecture")
 
 
+def _from_pretrained(spec: str, source: ModelSource, kwargs: dict):
+    """(model, tokenizer) loaded strictly; any failure is one line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # GGUF loading warns that packed weights compute in float32; here they are dequantised into plain
+    # nn.Linear weights of the chosen dtype, so the warning does not apply.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
+        check_loading_info(spec, info)
+        tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
+        return model, AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (corrupt weights raise many kinds of errors; each becomes one line)
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        hint = " (only pickled .bin weights? pass --allow-pickle if you trust them)" if "safetensors" in first else ""
+        raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def load_model(
     spec: str,
     dtype: str = "auto",
@@ -202,8 +226,6 @@ def load_model(
 ) -> LoadedModel:
     """Load weights and tokenizer. ``source``/``config`` may come from an earlier ``resolve_source``/``load_config``
     (the CLI reads the config first to pick a recipe, which decides the dtype)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = source or resolve_source(spec)
     config = config or load_config(source, trust_remote_code, revision)
     arch = adapter_for(config.model_type)
@@ -221,25 +243,7 @@ def load_model(
     if device_map is not None:  # accelerate's big-model inference: layers over GPUs, then CPU, then disk
         kwargs.update(device_map=device_map, max_memory=max_memory,
                       offload_folder=offload_dir or tempfile.mkdtemp(prefix="prune-heads-offload-"))
-    from transformers.utils import logging as hf_logging
-
-    # GGUF loading warns that packed weights compute in float32; here they are dequantised into plain
-    # nn.Linear weights of the chosen dtype, so the warning does not apply.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
-        check_loading_info(spec, info)
-        tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001  (corrupt weights raise many kinds of errors; each becomes one line)
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        hint = " (only pickled .bin weights? pass --allow-pickle if you trust them)" if "safetensors" in first else ""
-        raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    model, tokenizer = _from_pretrained(spec, source, kwargs)
     if not arch.is_stock(model):
         raise UserError(
             f"{spec!r} has different attention head counts per layer (an already pruned per-layer export?); "
