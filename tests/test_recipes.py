@@ -74,6 +74,7 @@ def test_dtype_auto_measures_the_cpu_and_memory_can_overrule(monkeypatch):
     assert fast.dtype == torch.bfloat16 and "avx512_bf16" in fast.reason
 
 
+@pytest.mark.real_dtype_measurement
 def test_dtype_auto_on_this_machine_follows_its_measurement():
     import prune_heads.models.dtypes as dtypes
 
