@@ -1,10 +1,10 @@
 """Write a pruned model as one GGUF file that llama.cpp loads (the ``gguf`` package's writer).
 
 Uniform head counts are written under a llama.cpp architecture of the family (llama for Llama, Mistral, SmolLM2 and
-Qwen2, whose own qwen2 graph wants q as wide as the hidden size; qwen3 for Qwen3); per-layer counts are written as
-llama.cpp's ``deci`` architecture, whose graph builds every layer from its own ``attention.head_count[_kv]`` entries
-(0 heads: an attention-free layer), with ``attention.key_length`` set so the head size never comes from a layer
-that has no heads. The tokenizer is copied from the source GGUF when there is one, else built from the Hugging Face
+Qwen2, whose own qwen2 graph wants q as wide as the hidden size; qwen3, gemma2 and gemma3 for those); per-layer
+counts are written as llama.cpp's ``deci`` architecture, whose graph builds every layer from its own
+``attention.head_count[_kv]`` entries (0 heads: an attention-free layer), with ``attention.key_length`` set so the
+head size never comes from a layer that has no heads. The tokenizer is copied from the source GGUF when there is one, else built from the Hugging Face
 tokenizer (byte-level BPE: Llama-3, SmolLM2, Qwen2, GPT-2 pre-tokenizers). Norms stay float32, as llama.cpp's own
 converter keeps them; matrices take ``--gguf-type`` (a q8_0 matrix whose rows are not a multiple of 32 is f16).
 """
@@ -97,7 +97,8 @@ def _metadata(writer, lm: LoadedModel, shapes, per_layer: bool) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     writer.add_vocab_size(int(c.vocab_size))
-    rope = dict(getattr(c, "rope_parameters", None) or {})
+    lm.arch.gguf_metadata(writer, c)
+    rope = lm.arch.gguf_rope_parameters(c)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
     kind = rope.get("rope_type", "default")
     if kind == "linear":
@@ -121,6 +122,8 @@ def _tensors(writer, lm: LoadedModel, model, shapes, tensor_type: str) -> dict:
         if layer is not None and shapes[layer][0] == 0 and not kind.startswith("ffn"):
             continue  # an attention-free layer (deci): no attention norm, no q/k/v/o
         data = tensor.detach().float().cpu()
+        if data.ndim == 1 and "norm" in kind:
+            data = data + lm.arch.gguf_norm_offset
         if lm.arch.gguf_rope_pairs and kind in ("attn_q", "attn_k"):
             data = interleave_rope_rows(data, shapes[layer][0 if kind == "attn_q" else 1])
         written = _add_matrix(writer, out, data.numpy(), tensor_type)
@@ -150,7 +153,7 @@ def _add_matrix(writer, name: str, array: np.ndarray, tensor_type: str) -> str:
 
 def _llama3_rope_factors(lm: LoadedModel) -> np.ndarray | None:
     """Llama-3.1's frequency-dependent RoPE scaling as llama.cpp reads it: one divisor per rotated pair."""
-    rope = dict(getattr(lm.config, "rope_parameters", None) or {})
+    rope = lm.arch.gguf_rope_parameters(lm.config)
     if rope.get("rope_type") != "llama3":
         return None
     head_dim = lm.arch.head_dim(lm.config)

@@ -110,7 +110,8 @@ def test_uneven_per_layer_heads_run_in_llama_cpp_as_deci(family, tmp_path, capsy
 
 @needs_llama
 @pytest.mark.parametrize("family,arch,kind,atol", [("qwen2", "llama", "f16", 2e-2), ("qwen3", "qwen3", "bf16", 5e-2),
-                                                   ("llama", "llama", "q8_0", 1e-1)])
+                                                   ("llama", "llama", "q8_0", 1e-1), ("gemma2", "gemma2", "f32", 2e-3),
+                                                   ("gemma3_text", "gemma3", "f16", 2e-2)])
 def test_uniform_gguf_alone(family, arch, kind, atol, tmp_path, capsys):
     model_dir = save_tiny(tmp_path / "model", family)
     heads = {str(i): [0, 3] for i in range(4)}  # one head of each KV group, every layer
@@ -125,7 +126,8 @@ def test_uniform_gguf_alone(family, arch, kind, atol, tmp_path, capsys):
 
 @pytest.mark.parametrize("family,args,message", [
     ("qwen3", ["--layout", "per-layer"], "llama.cpp's qwen3 graph takes one head count"),
-    ("gemma2", [], "use --format safetensors"),
+    ("phi3", [], "llama.cpp's phi3 graph wants q as wide as the hidden size"),
+    ("gemma2", ["--layout", "per-layer"], "llama.cpp's gemma2 graph takes one head count"),
 ])
 def test_what_llama_cpp_cannot_build_is_refused_before_loading(family, args, message, tmp_path, capsys):
     model_dir = save_tiny(tmp_path / "model", family)

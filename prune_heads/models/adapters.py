@@ -150,21 +150,33 @@ class ArchAdapter:
     def gguf_architecture(self, per_layer: bool) -> str:
         """The llama.cpp architecture to write, or a UserError naming what to do instead."""
         if self.gguf_arch is None:
-            raise UserError(f"--format gguf supports llama, mistral, smollm2, qwen2 and qwen3 checkpoints, not "
-                            f"{self.name} ({self.gguf_unsupported}); use --format safetensors")
+            raise UserError(f"--format gguf supports llama, mistral, smollm2, qwen2, qwen3, gemma2 and gemma3 "
+                            f"checkpoints, not {self.name} ({self.gguf_unsupported}); use --format safetensors")
         if per_layer and self.gguf_per_layer_arch is None:
             raise UserError(f"this export has per-layer head counts, but {self.gguf_no_per_layer}; pass --layout "
                             "uniform (the same heads in every layer) for a GGUF")
         return self.gguf_per_layer_arch if per_layer else self.gguf_arch
+
+    # Norm weights as llama.cpp multiplies them: Gemma's RMSNorm scales by (1 + w), llama.cpp's by w.
+    gguf_norm_offset: ClassVar[float] = 0.0
+    gguf_layer_names: ClassVar[dict[str, str]] = {}  # this family's names beyond GGUF_LAYER_NAMES
 
     def gguf_tensor_name(self, name: str) -> str | None:
         """The GGUF name of a transformers state-dict key (None: not written)."""
         if name in GGUF_GLOBAL_NAMES:
             return GGUF_GLOBAL_NAMES[name]
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-        if m and m.group(2) in GGUF_LAYER_NAMES:
-            return f"blk.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        names = {**GGUF_LAYER_NAMES, **self.gguf_layer_names}
+        if m and m.group(2) in names:
+            return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
         return None
+
+    def gguf_metadata(self, writer, config) -> None:
+        """Keys this family's llama.cpp graph reads beyond the common ones (none by default)."""
+
+    def gguf_rope_parameters(self, config) -> dict:
+        """The RoPE parameters of the (global-attention) layers."""
+        return dict(getattr(config, "rope_parameters", None) or {})
 
 
 GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -281,17 +293,48 @@ class Gemma2Adapter(ArchAdapter):
     name = "gemma2"
     model_types = ("gemma2",)
     add_bos_for_eval = True
-    gguf_unsupported = ("llama.cpp's gemma graphs accept pruned heads, but prune-heads does not yet write their norm "
-                        "offsets, softcapping and SentencePiece tokenizer")
+    gguf_arch = "gemma2"
+    gguf_no_per_layer = "llama.cpp's gemma2 graph takes one head count for every layer (deci has no post-norms)"
+    gguf_norm_offset = 1.0
+    gguf_layer_names = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                        "post_feedforward_layernorm": "post_ffw_norm"}
 
-    def valid_num_heads(self, config, num_heads):
-        return num_heads > 0 and config.hidden_size % num_heads == 0  # Gemma configs refuse other counts
+    gguf_layers_scaled_by_heads: ClassVar[int] = 46  # Gemma-2 27B: llama.cpp scales queries by hidden / heads
+
+    def gguf_metadata(self, writer, config) -> None:
+        """Which layers slide and over how many tokens, both softcaps. llama.cpp scales queries by 1/sqrt(head_dim)
+        (the 27B by the unpruned hidden / heads, which pruning changes), so other scalars are refused."""
+        if (config.num_hidden_layers == self.gguf_layers_scaled_by_heads
+                or int(config.query_pre_attn_scalar) != self.head_dim(config)):
+            raise UserError(f"llama.cpp scales {self.name} queries by 1/sqrt(head_dim) (or, for the 27B, by the head "
+                            f"count, which pruning changes); this model uses query_pre_attn_scalar "
+                            f"{config.query_pre_attn_scalar}; use --format safetensors")
+        if config.sliding_window:
+            writer.add_sliding_window(int(config.sliding_window))
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+        for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                         ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+            if getattr(config, key, None):
+                add(float(getattr(config, key)))
 
 
 class Gemma3TextAdapter(Gemma2Adapter):
     name = "gemma3_text"
     model_types = ("gemma3_text",)
     qk_norm = "per_head"
+    gguf_arch = "gemma3"
+    gguf_no_per_layer = "llama.cpp's gemma3 graph takes one head count for every layer (deci has no q/k norms)"
+    gguf_layers_scaled_by_heads = 62
+
+    def gguf_rope_parameters(self, config) -> dict:
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        return dict(rope.get("full_attention", rope))
+
+    def gguf_metadata(self, writer, config) -> None:
+        super().gguf_metadata(writer, config)
+        local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention")
+        if local:
+            writer.add_rope_freq_base_swa(float(local["rope_theta"]))
 
 
 class Phi3Adapter(ArchAdapter):
