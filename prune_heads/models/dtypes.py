@@ -2,7 +2,7 @@
 
 On a GPU: bfloat16 where supported, else float16. On a CPU it depends on the chip: with bf16 matrix units
 (AVX512_BF16, AMX, Arm BF16) bfloat16 matmuls run 2-4x faster than float32; without them PyTorch emulates bf16 at
-about a quarter of float32's speed. The flags in /proc/cpuinfo say what the chip has; a 0.1-second matmul of each
+about a quarter of float32's speed. The flags in /proc/cpuinfo say what the chip has; 0.1 seconds of matmuls in each
 dtype says what this PyTorch build makes of it, and decides. Memory can overrule speed: where the float32 weights
 would not fit in available memory with room to verify, bfloat16 is used whatever its speed.
 """
@@ -53,9 +53,10 @@ def cpu_bf16_flags() -> list[str]:
     return [flag for flag in BF16_FLAGS if flag in words]
 
 
-def _gflops(dtype: torch.dtype, n: int = 512, seconds: float = 0.05) -> float:
+def _gflops(dtype: torch.dtype, n: int = 512, seconds: float = 0.1) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # warm-up
+    for _ in range(3):  # warm-up: kernels, caches, clocks
+        torch.mm(a, b)
     runs, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         torch.mm(a, b)
