@@ -4,9 +4,10 @@ Uniform head counts are written under a llama.cpp architecture of the family (ll
 Qwen2, whose own qwen2 graph wants q as wide as the hidden size; qwen3, gemma2 and gemma3 for those); per-layer
 counts are written as llama.cpp's ``deci`` architecture, whose graph builds every layer from its own
 ``attention.head_count[_kv]`` entries (0 heads: an attention-free layer), with ``attention.key_length`` set so the
-head size never comes from a layer that has no heads. The tokenizer is copied from the source GGUF when there is one, else built from the Hugging Face
-tokenizer (byte-level BPE: Llama-3, SmolLM2, Qwen2, GPT-2 pre-tokenizers). Norms stay float32, as llama.cpp's own
-converter keeps them; matrices take ``--gguf-type`` (a q8_0 matrix whose rows are not a multiple of 32 is f16).
+head size never comes from a layer that has no heads. The tokenizer is copied from the source GGUF when there is
+one, else built from the Hugging Face tokenizer (byte-level BPE: Llama-3, SmolLM2, Qwen2, GPT-2 pre-tokenizers).
+Norms stay float32, as llama.cpp's own converter keeps them; matrices take ``--gguf-type`` (a q8_0 matrix whose rows
+are not a multiple of 32 is f16).
 """
 from __future__ import annotations
 
