@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from exporters.gguf_file import GGUF_TYPES
 from prune_heads.data.tasks import TASKS
 from prune_heads.errors import UserError
 from prune_heads.heads import SCORE_KEYS, HeadSet
@@ -96,7 +97,7 @@ def common_options(f):
 
 
 def export_options(f):
-    f = click.option("--gguf-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16",
+    f = click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)), default="f16",
                      show_default=True, help="Tensor type of the GGUF's matrices (norms stay f32).")(f)
     f = click.option("--format", "export_format", type=click.Choice(["safetensors", "gguf", "both"]),
                      default="safetensors", show_default=True, help="safetensors (transformers), gguf (one model.gguf "
