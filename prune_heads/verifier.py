@@ -57,20 +57,19 @@ class Verifier:
         """The task without ``heads``, as it would ship (healed with --heal-in-search)."""
         if self.heal_in_search and heads:
             return self.evaluate_healed(heads, label)
-        target = self.target(heads)
-        if len(self.blocks) > 1 and heads:
-            result = self.work.evaluate_sequential(
-                self.blocks, target, label, self.baseline,
-                lambda part, base: decided_over_budget(self.budget, part, base))
-            return self.with_text_kl(result, target)
-        return self.with_text_kl(self.work.evaluate(self.enc, target, label), target)
+        return self._blockwise(heads, label, lambda part, base: decided_over_budget(self.budget, part, base))
 
     def evaluate_complete(self, heads: HeadSet, label: str) -> EvalResult:
         """Like ``evaluate`` on every question (never stopped early), through the same cache entries, so a later
         ``evaluate`` of the same heads reuses it."""
+        return self._blockwise(heads, label, lambda *_: False)
+
+    def _blockwise(self, heads: HeadSet, label: str, stop) -> EvalResult:
+        """The ablation of ``heads`` block by block, stopping once ``stop(partial, baseline part)`` says the point is
+        decided (one pass without early-stop blocks), with the text KL when it is measured."""
         target = self.target(heads)
         if len(self.blocks) > 1 and heads:
-            result = self.work.evaluate_sequential(self.blocks, target, label, self.baseline, lambda *_: False)
+            result = self.work.evaluate_sequential(self.blocks, target, label, self.baseline, stop)
             return self.with_text_kl(result, target)
         return self.with_text_kl(self.work.evaluate(self.enc, target, label), target)
 
