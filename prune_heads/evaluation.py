@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .ablation import HeadAblation, mask_for
+from .batching import longest_first
 from .data.tasks import LETTERS, TASKS, Question, TaskData
 from .heads import HeadSet
 from .models.loading import LoadedModel
@@ -95,6 +96,17 @@ def split_blocks(enc: EncodedTask, blocks: int) -> list[EncodedTask]:
         subjects = [EncodedSubject(s.name, s.prefix, s.items[b::blocks]) for s in enc.subjects]
         parts.append(EncodedTask([s for s in subjects if s.items], enc.task))
     return [p for p in parts if len(p)]
+
+
+def task_span(enc: EncodedTask, lo: int, hi: int) -> EncodedTask:
+    """Questions ``lo`` to ``hi`` of the task (in ``items`` order), each subject keeping its shared prefix."""
+    subjects, offset = [], 0
+    for s in enc.subjects:
+        a, b = max(lo - offset, 0), min(hi - offset, len(s.items))
+        if a < b:
+            subjects.append(EncodedSubject(s.name, s.prefix, s.items[a:b]))
+        offset += len(s.items)
+    return EncodedTask(subjects, enc.task)
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -420,6 +432,8 @@ def evaluate(
 
 def _batched_all(lm, items, batch_size, abl, row_masks, progress, desc) -> list[list[float]]:
     """``_batched_loglik`` in blocks of questions, with a progress bar."""
+    if not items:
+        return []
     block = max(1, 16 * batch_size // max(1, max(len(it.continuations) for it in items)))
     out: list[list[float]] = []
     bar = tqdm(total=len(items), desc=desc, unit="question", disable=not progress, leave=False)
@@ -564,11 +578,9 @@ def next_token_kl(
     """Per sequence, the mean over its positions of KL(unablated || ablated) in nats between the two models'
     next-token distributions: damage measured on text itself, whatever the model's accuracy. ``[len(sequences)]``."""
     out = torch.zeros(len(sequences), dtype=torch.float64)
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     dev = lm.device
     with HeadAblation(lm) as abl:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+        for idx in longest_first(sequences, batch_size):
             lengths = torch.tensor([len(sequences[i]) for i in idx])
             ids = torch.zeros(len(idx), int(lengths.max()), dtype=torch.long)
             for row, i in enumerate(idx):

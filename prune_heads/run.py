@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import torch
 
 from .cache import tokens_digest
 from .evaluation import EncodedTask, EvalResult, encode_task
@@ -29,8 +30,9 @@ from .inputs import (
     mmlu_selection,
     with_questions_per_subject,
 )
-from .models.loading import LoadedModel, load_model
+from .models.loading import LoadedModel, load_model, resolve_device, resolve_dtype
 from .models.placement import device_map_option, max_memory_option
+from .parallel import LOCAL, Ranks
 from .planning import Planner, planner_for
 from .report import chance_warning
 from .resolution import Resolution, per_subject_for
@@ -61,28 +63,35 @@ class Run:
     work: Work
     planner: Planner
     enc: EncodedTask | None
-    staged: StagedDirectory
+    staged: StagedDirectory | None  # None on the ranks other than 0 (they write nothing)
 
     @property
     def stage(self) -> Path:
         return self.staged.path
 
 
-def load(settings: Settings, inputs: Inputs, offload_dir: Path | None = None) -> LoadedModel:
-    return load_model(settings.model, settings.dtype, settings.device, settings.trust_remote_code, settings.revision,
-                      settings.allow_pickle, source=inputs.source, config=inputs.config,
+def load(settings: Settings, inputs: Inputs, offload_dir: Path | None = None, ranks: Ranks = LOCAL) -> LoadedModel:
+    """The model, as the settings place it; under torchrun on the rank's own GPU, in the dtype rank 0 chose."""
+    kind = resolve_device(settings.device).type
+    dtype = settings.dtype
+    if ranks.size > 1:  # --dtype auto measures this machine: one measurement (rank 0's) decides for every rank
+        dtype = ranks.broadcast(resolve_dtype(dtype, torch.device(kind), inputs.config) if ranks.root else None)
+    return load_model(settings.model, dtype, ranks.device(settings.device, kind), settings.trust_remote_code,
+                      settings.revision, settings.allow_pickle, source=inputs.source, config=inputs.config,
                       device_map=device_map_option(settings.device_map),
                       max_memory=max_memory_option(settings.max_memory),
                       offload_dir=str(offload_dir) if offload_dir else None)
 
 
-def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory, encode: bool = True) -> Run:
-    """Load the model (and merge --adapter into a copy), open the result cache, encode the task."""
-    base = load(settings, inputs, staged.offload_dir if settings.device_map else None)
+def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory | None, encode: bool = True,
+             ranks: Ranks = LOCAL) -> Run:
+    """Load the model (and merge --adapter into a copy), open the result cache, encode the task. Under torchrun
+    (``ranks``), rank 0 holds the staging directory and the others ``None``."""
+    base = load(settings, inputs, staged.offload_dir if settings.device_map else None, ranks)
     # With --adapter, everything is scored and verified on the user's actual model (base with the adapter merged);
     # the base is pruned and the adapter sliced to fit it.
     lm = with_adapter_merged(base, settings.lora_adapter) if settings.lora_adapter else base
-    work = Work(lm, staged, settings.batch_size, settings.progress)
+    work = Work(lm, staged, settings.batch_size, settings.progress, ranks)
     enc = encode_task(lm, inputs.questions) if encode else None
     return Run(settings, inputs, base, lm, work, planner_for(lm), enc, staged)
 

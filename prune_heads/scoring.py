@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import attention_stats
+from .batching import longest_first
 from .heads import BASE_KEYS, ScoreTable
 from .models.loading import LoadedModel
 from .models.placement import live_weight
@@ -196,12 +197,10 @@ def score_heads(
     if not sequences:
         raise ValueError("score_heads needs at least one input sequence")
     pad_id = 0
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))  # similar lengths batch together
     per_input: dict[str, list[torch.Tensor | None]] = {}
     bar = tqdm(total=len(sequences), desc="scoring heads", unit="input", disable=not progress)
     with stats_attention(lm), _ScoringProbe(lm) as probe:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+        for idx in longest_first(sequences, batch_size):
             lengths = torch.tensor([len(sequences[i]) for i in idx])
             ids = torch.full((len(idx), int(lengths.max())), pad_id, dtype=torch.long)
             for row, i in enumerate(idx):

@@ -1,17 +1,30 @@
 """The expensive steps of a run (scoring, task evaluations, text KL), each cached by everything it depends on, so an
-interrupted or changed run repeats no finished work (see cache.py)."""
+interrupted or changed run repeats no finished work (see cache.py). Under torchrun each step is shared out across
+the ranks and gathered back in order (parallel.py); rank 0 alone reads and writes the cache."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import click
 import torch
 
+from .batching import longest_first
 from .cache import ResultCache, tokens_digest
-from .evaluation import EncodedTask, EvalResult, evaluate, evaluate_many, in_order_of, next_token_kl, restricted
+from .evaluation import (
+    EncodedTask,
+    EvalResult,
+    evaluate,
+    evaluate_many,
+    in_order_of,
+    next_token_kl,
+    restricted,
+    task_span,
+)
 from .fileio import StagedDirectory
 from .heads import HeadSet, ScoreTable
 from .models.loading import LoadedModel
+from .parallel import LOCAL, Ranks
 from .planning import PrunePlan
 from .scoring import score_heads
 
@@ -20,17 +33,26 @@ class Work:
     """The expensive steps of a run (scoring, evaluations), each cached by everything it depends on, so an
     interrupted run resumes without repeating finished work (cache.py)."""
 
-    def __init__(self, lm: LoadedModel, stage: StagedDirectory, batch_size: int = 8, progress: bool = True):
-        self.lm, self.batch_size, self.progress = lm, batch_size, progress
-        self.cache = ResultCache(stage.cache_dir)
+    def __init__(self, lm: LoadedModel, stage: StagedDirectory | None, batch_size: int = 8, progress: bool = True,
+                 ranks: Ranks = LOCAL):
+        self.lm, self.batch_size, self.progress, self.ranks = lm, batch_size, progress, ranks
+        self.cache = ResultCache(stage.cache_dir if stage is not None else None)
         self._enc_digests: dict[int, str] = {}
         import transformers
 
         self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
                           "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
                           "transformers": transformers.__version__, "format": 2}
-        if stage.resumed:
+        if stage is not None and stage.resumed:
             click.secho(f"resuming: finished work is reused from {stage.cache_dir}", err=True)
+
+    def _get(self, kind: str, key: dict) -> dict | None:
+        """A cache entry as rank 0 reads it, on every rank."""
+        return self.ranks.broadcast(self.cache.get(kind, key) if self.ranks.root else None)
+
+    def finish_alone(self) -> None:
+        """From here on this process works alone (rank 0 after the other ranks have left)."""
+        self.ranks = LOCAL
 
     def _enc_digest(self, enc: EncodedTask) -> str:
         if id(enc) not in self._enc_digests:
@@ -40,11 +62,11 @@ class Work:
 
     def scores(self, seqs: list[list[int]]) -> ScoreTable:
         key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.batch_size}
-        hit = self.cache.get("scores", key)
+        hit = self._get("scores", key)
         if hit is not None:
             counts = hit.pop("_token_counts").tolist()
             return ScoreTable(hit, counts)
-        table = score_heads(self.lm, seqs, self.batch_size, self.progress)
+        table = self._score_shared(seqs)
         self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
         return table
 
@@ -75,9 +97,9 @@ class Work:
             return torch.zeros(len(sequences), dtype=torch.float64)
         key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
                "batch": self.batch_size}
-        hit = self.cache.get("kltext", key)
+        hit = self._get("kltext", key)
         if hit is None:
-            hit = {"kl": next_token_kl(self.lm, sequences, target, self.batch_size)}
+            hit = {"kl": self._kl_shared(sequences, target)}
             self.cache.put("kltext", key, hit)
         return hit["kl"]
 
@@ -87,15 +109,17 @@ class Work:
         results: dict[int, EvalResult] = {}
         todo = []
         for i, hs in enumerate(head_sets):
-            hit = self.cache.get("eval", self._eval_key(enc, hs)[1])
+            hit = self._get("eval", self._eval_key(enc, hs)[1])
             if hit is not None:
                 results[i] = EvalResult(questions, hit["loglik"], labels[i])
             else:
                 todo.append(i)
         if todo:
             label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
-            for i, res in zip(todo, evaluate_many(self.lm, enc, [head_sets[i] for i in todo], self.batch_size,
-                                                  self.progress, label)):
+            todo_sets = [head_sets[i] for i in todo]
+            many = self._on_task_share(enc, None, lambda part, _: evaluate_many(
+                self.lm, part, todo_sets, self.batch_size, self.progress, label))
+            for i, res in zip(todo, many):
                 self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
                 res.label = labels[i]
                 results[i] = res
@@ -104,12 +128,12 @@ class Work:
     def evaluate(self, enc: EncodedTask, target: "HeadSet | PrunePlan | None", label: str = "",
                  lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
         ablation, key = self._eval_key(enc, target, model_key)
-        hit = self.cache.get("eval", key)
+        hit = self._get("eval", key)
         questions = [it.question for it in enc.items]
         if hit is not None:
             return EvalResult(questions, hit["loglik"], label)
-        result = evaluate(lm or self.lm, enc, target if ablation else None, self.batch_size,
-                          self.progress, label=label)
+        result = self._on_task_share(enc, target if ablation else None, lambda part, masks: [evaluate(
+            lm or self.lm, part, masks, self.batch_size, self.progress, label=label)])[0]
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 
@@ -135,7 +159,7 @@ class Work:
     def evaluate_built(self, enc: EncodedTask, build, model_key: dict, label: str = "") -> EvalResult:
         """Evaluate a model that is expensive to make (a healed one): ``build()`` runs only on a cache miss."""
         _, key = self._eval_key(enc, None, model_key)
-        hit = self.cache.get("eval", key)
+        hit = self._get("eval", key)
         if hit is not None:
             return EvalResult([it.question for it in enc.items], hit["loglik"], label)
         return self.evaluate(enc, None, label, lm=build(), model_key=model_key)
@@ -148,3 +172,45 @@ class Work:
             return self.evaluate(enc, None, "exported model", lm=reloaded, model_key=key)
 
         return run
+
+    # -- sharing a step out across ranks (one rank: the step as it is) ---------------------------------------------
+
+    def _score_shared(self, seqs: list[list[int]]) -> ScoreTable:
+        """Head scores, each rank scoring its deal of the longest-first batches."""
+        if self.ranks.size == 1:
+            return score_heads(self.lm, seqs, self.batch_size, self.progress)
+        mine = [i for batch in self.ranks.deal(longest_first(seqs, self.batch_size)) for i in batch]
+        part = score_heads(self.lm, [seqs[i] for i in mine], self.batch_size, self.progress).per_input if mine else {}
+        tables: dict[str, torch.Tensor] = {}
+        for idx, values in self.ranks.gather((mine, part)):
+            for key, value in values.items():
+                tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
+        return ScoreTable(tables, [len(s) for s in seqs])
+
+    def _kl_shared(self, sequences: list[list[int]], target) -> torch.Tensor:
+        """Next-token KL per text, each rank taking its deal of the longest-first batches."""
+        if self.ranks.size == 1:
+            return next_token_kl(self.lm, sequences, target, self.batch_size)
+        mine = [i for batch in self.ranks.deal(longest_first(sequences, self.batch_size)) for i in batch]
+        part = next_token_kl(self.lm, [sequences[i] for i in mine], target, self.batch_size)
+        out = torch.zeros(len(sequences), dtype=torch.float64)
+        for idx, values in self.ranks.gather((mine, part)):
+            out[idx] = values
+        return out
+
+    def _on_task_share(self, enc: EncodedTask, masks, run) -> list[EvalResult]:
+        """``run(task part, its masks) -> [EvalResult, ...]`` on this rank's span of whole subjects (cut inside a
+        subject only when there are fewer subjects than ranks), gathered into results on every question in order."""
+        if self.ranks.size == 1:
+            return run(enc, masks)
+        sizes = [len(s.items) for s in enc.subjects]
+        cuts = list(itertools.accumulate(sizes)) if len(sizes) >= self.ranks.size else None
+        lo, hi = self.ranks.span(sizes, cuts)
+        if isinstance(masks, torch.Tensor) and masks.dim() == 3:  # a mask per question
+            masks = masks[lo:hi]
+        results = run(task_span(enc, lo, hi), masks)
+        width = enc.num_choices
+        parts = self.ranks.gather([torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[-1]),
+                                                           value=float("-inf")) for r in results])
+        questions = [it.question for it in enc.items]
+        return [EvalResult(questions, torch.cat([p[s] for p in parts]), r.label) for s, r in enumerate(results)]

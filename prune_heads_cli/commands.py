@@ -6,6 +6,7 @@ cache when rerun. This is the only layer that knows both the core (``prune_heads
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from prune_heads.fileio import StagedDirectory, write_json, write_text
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from prune_heads.inputs import Inputs, compare_texts, kl_text_sequences, round_robin
 from prune_heads.models.loading import LoadedModel
+from prune_heads.parallel import LOCAL, Ranks
 from prune_heads.report import METRIC_NAMES, accuracy_summary, scores_payload, versions, write_eval_outputs
 from prune_heads.run import (
     Run,
@@ -53,12 +55,14 @@ class PruneRun:
     export: ExportResult | None
 
 
-def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool) -> PruneRun:
+def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks: Ranks = LOCAL) -> PruneRun | None:
     """Score, search, report, export: everything is written into a staging directory beside ``out`` and renamed
-    into place only once the export has been reloaded and verified."""
+    into place only once the export has been reloaded and verified. Under torchrun every rank shares the scoring and
+    evaluations up to the decision; rank 0 then writes and exports alone, and the others return None."""
     started = time.time()
-    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths) as staged:
-        run = open_run(settings, inputs, staged)
+    staged = ranks.agree(lambda: StagedDirectory(out, force, settings.resume, inputs=inputs.paths))
+    with staged or contextlib.nullcontext():
+        run = open_run(settings, inputs, staged, ranks=ranks)
         echo(describe(run))
         scores, calibration = score(run)
         verifier = verifier_for(run)
@@ -66,12 +70,16 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool) -> Pru
         warnings = _say_baseline(run, verifier, resolution)
         selection = select_heads(scores, settings.scorer, verifier, run.settings, echo)
         selection, confirmation = confirm(run, verifier, selection, settings.objective, echo)
+        if not ranks.root:
+            return None  # this rank's share is done: the decision is made, rank 0 writes it
+        run.work.finish_alone()
         report = _prune_report(run, scores, calibration, verifier, selection, warnings)
         report["confirmation"] = confirmation
         report["resolution"] = resolution.to_json(full_task_size(run)) if resolution else None
         _write_selection(run, scores, selection, report, verifier.baseline)
         export = _export(run, verifier, selection, report) if settings.export else None
         report["cache"] = run.work.cache.stats
+        report["processes"] = ranks.size  # torchrun's ranks that shared the scoring and evaluations
         report["seconds"] = round(time.time() - started, 1)
         write_json(run.stage / "report.json", report)
     echo(f"{'pruned model, report' if settings.export else 'report'}: {out}", fg="green")

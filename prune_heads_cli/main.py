@@ -9,6 +9,7 @@ the path of a log holding the traceback, exit code 1.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -131,12 +132,15 @@ def check_heads(heads: HeadSet, config) -> None:
     heads.validate(config.num_hidden_layers, [config.num_attention_heads] * config.num_hidden_layers)
 
 
-def prepare(kw: dict, allow_auto: bool = False, **extra):
+def prepare(kw: dict, main_command: bool = False, **extra):
     """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load."""
     from prune_heads.inputs import load_inputs
     from prune_heads.models.loading import load_config, resolve_source
     from prune_heads.settings import resolve_settings
 
+    if not main_command and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("under torchrun only the main command (prune-heads --model M ...) shares its work across "
+                        "processes; run this command in one process")
     if not kw.get("model"):
         raise UserError("--model is required; pass a Hub id, a local directory, a .gguf file, or 'smollm2-135m'")
     if not kw.get("out"):
@@ -146,7 +150,7 @@ def prepare(kw: dict, allow_auto: bool = False, **extra):
     overrides = {}  # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
     per_subject = _int_or_all(kw.get("mmlu_per_subject"), auto=True)
     if per_subject == "auto":
-        if not allow_auto:
+        if not main_command:
             raise UserError("--mmlu-per-subject auto sizes the main command's budget search; give a number or 'all' "
                             "here")
         extra["size_questions"], kw = True, {**kw, "mmlu_per_subject": None}
@@ -223,6 +227,7 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, expo
     if ctx.invoked_subcommand is not None:
         return
     from exporters.hub import push_export
+    from prune_heads.parallel import launched_ranks, leave
 
     from .commands import run_prune
 
@@ -237,9 +242,28 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, expo
                                gqa=gqa,
                                export=not no_export, lora_adapter=adapter,
                                heal_steps=heal_steps, heal_data=heal_data, heal_in_search=heal_in_search)
-    run_prune(settings, inputs, kw["out"], kw["force"])
-    if push_to:
+    ranks = launched_ranks()
+    settings = _as_rank(settings, ranks)
+    run_prune(settings, inputs, kw["out"], kw["force"], ranks)
+    if push_to and ranks.root:
         push_export(kw["out"], push_to, private=private, log=lambda m: click.secho(m, err=True, fg="green"))
+    leave(ranks)
+
+
+def _as_rank(settings, ranks):
+    """Under torchrun: ranks other than 0 print nothing (rank 0 speaks for the run); refused combinations fail on
+    every rank with the same line."""
+    import dataclasses
+
+    if ranks.size == 1:
+        return settings
+    if settings.device_map:
+        raise UserError("--device-map places one model across devices in one process; under torchrun each rank "
+                        "holds a whole model: drop --device-map, or run without torchrun")
+    if not ranks.root:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+        return dataclasses.replace(settings, progress=False)
+    return settings
 
 
 @cli.command()
@@ -394,6 +418,8 @@ def _unexpected(error: BaseException) -> None:
     with open(fd, "w") as f:
         traceback.print_exception(type(error), error, error.__traceback__, file=f)
     first = (str(error).strip().splitlines() or [""])[0][:200]
+    if getattr(sys.stderr, "name", "") == os.devnull:  # a rank other than 0 prints nothing else, but its failure
+        sys.stderr = sys.__stderr__
     click.secho(f"error: unexpected failure ({type(error).__name__}: {first}); the traceback is in {log}; "
                 "please report it", err=True, fg="red")
     sys.exit(1)

@@ -73,8 +73,11 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, device: torch.device, config=None) -> DtypeChoice:
-    """``auto``: the fastest dtype the device computes in, as measured (dtypes.py); else the one asked for."""
+def resolve_dtype(dtype: "str | DtypeChoice", device: torch.device, config=None) -> DtypeChoice:
+    """``auto``: the fastest dtype the device computes in, as measured (dtypes.py); else the one asked for (or the
+    choice already made, e.g. by rank 0 for every rank)."""
+    if isinstance(dtype, DtypeChoice):
+        return dtype
     if dtype == "auto":
         return auto_dtype(device, 4 * estimated_parameters(config) if config is not None else None,
                           available_bytes(device))
@@ -213,7 +216,7 @@ def _from_pretrained(spec: str, source: ModelSource, kwargs: dict):
 
 def load_model(
     spec: str,
-    dtype: str = "auto",
+    dtype: "str | DtypeChoice" = "auto",
     device: str = "auto",
     trust_remote_code: bool = False,
     revision: str | None = None,
