@@ -33,10 +33,11 @@ from prune_heads.planning import LayoutChoice, Planner, planner_for
 from prune_heads.pruning import pruned_copy
 from prune_heads.readers import check_manifest, read_json
 from prune_heads.speed import measure_speed as measure
-from prune_heads.verify import bytes_per_value, compare_models, sample_prompts
+from prune_heads.verify import bytes_per_value, check_logits, compare_models, reference_logits, sample_prompts
 
 from .card import model_card
 from .gguf_export import export_gguf
+from .stream import stream_export, streamable
 
 MANIFEST = "prune_heads.json"
 TEMPLATE = Path(__file__).parent / "templates" / "modeling_pruned.py"
@@ -65,9 +66,9 @@ class ExportResult:
     gguf: dict | None = None  # the GGUF written and its check in llama.cpp (gguf_export.py)
 
 
-def model_stats(model, shapes: list[tuple[int, int]], head_dim: int, dtype) -> dict:
+def model_stats(parameters: int, shapes: list[tuple[int, int]], head_dim: int, dtype) -> dict:
     return {
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
         "query_heads": sum(h for h, _ in shapes),
         "kv_heads": sum(k for _, k in shapes),
         "kv_cache_bytes_per_token": sum(2 * k for _, k in shapes) * head_dim * bytes_per_value(dtype),
@@ -85,52 +86,129 @@ def _check_disk(out: Path, model) -> None:
 def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "auto", max_shard_size: str = "2GB", *,
                   check: ExportCheck | None = None, info: dict | None = None, progress: bool = True, log=print,
                   heal=None, planner: Planner | None = None, measure_speed: bool = True,
-                  formats: tuple[str, ...] = ("safetensors",), gguf_type: str = "f16") -> ExportResult:
+                  formats: tuple[str, ...] = ("safetensors",), gguf_type: str = "f16",
+                  release_source: bool = False, placement: dict | None = None) -> ExportResult:
     """Write the pruned model into ``out`` (an existing, empty staging directory) in ``formats`` (safetensors,
     gguf) and verify it there.
 
     ``heal(pruned_model, plan) -> (healed_model, record)`` (LoRA healing) runs on the physically pruned model once
-    it is checked against the ablated original; the export then ships, and is verified against, the healed model."""
-    if any(p.device.type == "meta" for p in lm.model.parameters()):
-        raise UserError("part of the model is offloaded to disk (--device-map), and an export needs every weight in "
-                        "memory or on a GPU; search with --no-export here, then run prune-heads export --heads "
-                        "OUT/heads.json where the model fits")
+    it is checked against the ablated original; the export then ships, and is verified against, the healed model.
+    ``release_source``: the caller is done with ``lm``; its weights are released once the reference logits are
+    taken, so the reloaded export is never resident beside it. ``placement``: from_pretrained's device_map,
+    max_memory and offload_folder for the reload (as the user would load it)."""
     geometries = lm.arch.geometries(lm.model)
     heads.validate(len(geometries), [g.num_heads for g in geometries])
     choice = (planner or planner_for(lm)).choose(heads, layout)
     log(f"layout {choice.layout}: {choice.reason}")
     enc = check.enc if check is not None else None
-    pruned, healing = _pruned_model(lm, choice, enc, heal)
-    stats = export_stats(lm, pruned, choice, heads)
+    files = streamable(lm) if "safetensors" in formats and heal is None else None
+    _refuse_offloaded(lm, files, formats)
+    pruned, healing = (None, None) if _offloaded(lm) else _pruned_model(lm, choice, enc, heal)
     gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
                         healed=healing is not None) if "gguf" in formats else None)
     if "safetensors" in formats:
-        _write(lm, pruned, choice, out, max_shard_size)
-        reference = pruned if healing else None
-        del pruned  # the reload below is the pruned model from now on: never two copies at once
-        verification = verify_export(lm, choice, out, enc, reference=reference)
-        del reference
+        shipped = _ship_safetensors(lm, pruned, healing, choice, out, max_shard_size, enc, files,
+                                    measure_speed and pruned is not None, log, release_source, placement)
     else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
-        verification = verify_in_memory(lm, choice, pruned, enc, healed=healing is not None)
-        del pruned
+        shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
+                                export_stats(lm, _parameters(pruned), choice, heads),
+                                _speed(lm, pruned, log) if measure_speed else None)
+    del pruned
+    shipped.stats = shipped.stats or export_stats(lm, shipped.parameters, choice, heads, shipped.source_parameters)
+    verification = shipped.verification
     log(f"{'reloaded ' + out.name if 'safetensors' in formats else 'pruned model'}: max |logit diff| "
         f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
         f"{verification['tolerance']:g})")
     reloaded = verification.pop("_model")
     task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
-    speed = _speed(lm, reloaded, log) if measure_speed else None
     del reloaded
-    meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
-    meta["speed"] = speed
-    meta["formats"] = list(formats)
-    meta["gguf"] = gguf
+    meta = _manifest(lm, heads, choice, shipped.stats, verification, task_eval, healing, info or {}, enc)
+    meta.update(speed=shipped.speed, formats=list(formats), gguf=gguf)
     write_text(out / "README.md", model_card(meta))
     # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
     meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
                      if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
     meta["verified"] = True
     write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
-    return ExportResult(choice, stats, verification, task_eval, meta, speed, gguf)
+    return ExportResult(choice, shipped.stats, verification, task_eval, meta, shipped.speed, gguf)
+
+
+@dataclass
+class _ShippedModel:
+    verification: dict  # with "_model": the model the task is evaluated on
+    stats: dict | None
+    speed: dict | None
+    parameters: int = 0
+    source_parameters: int | None = None  # counted in the source files when streamed (an offloaded model's own
+    # parameters() do not all show)
+
+
+def _offloaded(lm: LoadedModel) -> bool:
+    return any(p.device.type == "meta" for p in lm.model.parameters())
+
+
+def _parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _refuse_offloaded(lm: LoadedModel, files, formats) -> None:
+    """A model partly offloaded to disk exports only by streaming from its safetensors files."""
+    if not _offloaded(lm):
+        return
+    if "gguf" in formats:
+        raise UserError("part of the model is offloaded to disk (--device-map); a GGUF is written from the model in "
+                        "memory: use --format safetensors here, or export the GGUF where the model fits")
+    if files is None:
+        raise UserError("part of the model is offloaded to disk (--device-map), and it is not a plain safetensors "
+                        "checkpoint the export could be streamed from; run prune-heads export --heads OUT/heads.json "
+                        "where the model fits in memory")
+
+
+def _ship_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, out: Path, max_shard_size: str,
+                      enc, files, with_speed: bool, log, release_source: bool, placement: dict | None) -> _ShippedModel:
+    """Reference logits first (the ablated original, or the healed model), then write (streamed from the source's
+    safetensors when it can be), time the pruned model against the original while they share weights, release
+    what is no longer needed, and only then reload the files and check them against the reference."""
+    ids = sample_prompts(lm, enc).to(lm.device)
+    if healing is not None:
+        expected, precision = reference_logits(pruned, ids, lm.dtype)
+    else:
+        expected, precision = reference_logits(lm.model, ids, lm.dtype, lambda: ablate(lm, choice.plan))
+    written = _write(lm, pruned, choice, out, max_shard_size, files)
+    if written.get("streamed"):
+        log(f"written from {len(set(files.values()))} source safetensors file(s) tensor by tensor: "
+            f"{len(written['files'])} shard(s)")
+    speed = _speed(lm, pruned, log) if with_speed else None
+    parameters = _parameters(pruned) if pruned is not None else written["parameters"]
+    del pruned
+    if release_source and not getattr(lm.model, "hf_device_map", None):
+        lm.model.to("meta")  # the caller is done with the original: free its weights before the reload
+    reloaded = _reload(lm, choice, out, placement)
+    result = check_logits(reloaded, ids.to(_input_device(reloaded)), expected,
+                          lm.dtype, precision, f"the exported model in {out}")
+    result.update(prompts=int(ids.shape[0]), tokens_per_prompt=int(ids.shape[1]),
+                  dtype=str(lm.dtype).replace("torch.", ""), streamed=bool(written.get("streamed")),
+                  source_released=release_source)
+    result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source,
+                                   lm.dtype, _input_device(reloaded))
+    return _ShippedModel(result, None, speed, parameters, written.get("source_parameters"))
+
+
+def _input_device(model) -> torch.device:
+    from prune_heads.models.placement import input_device
+
+    return input_device(model) if getattr(model, "hf_device_map", None) else next(model.parameters()).device
+
+
+def _reload(lm: LoadedModel, choice: LayoutChoice, out: Path, placement: dict | None):
+    """The written export, loaded as a user loads it (our modelling file for the per-layer layout)."""
+    from transformers import AutoModelForCausalLM
+
+    trust = choice.layout == "per-layer"  # our own modelling file, written a moment ago
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=lm.dtype, trust_remote_code=trust, **(placement or {}))
+    if not (placement or {}).get("device_map"):
+        model.to(lm.device)
+    return model.eval().requires_grad_(False)
 
 
 def _pruned_model(lm: LoadedModel, choice: LayoutChoice, enc: EncodedTask | None, heal):
@@ -160,14 +238,25 @@ def _export_config(lm: LoadedModel, choice: LayoutChoice):
     return config
 
 
-def _write(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, max_shard_size: str) -> None:
-    """Weights, tokenizer and config.json. A full disk mid-write removes what was written: no partial export."""
+def _write(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, max_shard_size: str, files=None) -> dict:
+    """Weights, tokenizer and config.json: streamed from the source's safetensors ``files`` when given, else saved
+    from the pruned model. A full disk mid-write removes what was written: no partial export."""
     config = _export_config(lm, choice)
-    pruned.config = config
-    _check_disk(out, pruned)
+    _check_disk(out, lm.model)
     before_files = set(out.iterdir())
+    written = {"streamed": files is not None}
     try:
-        pruned.save_pretrained(out, max_shard_size=max_shard_size)
+        if files is not None:
+            from transformers.utils.hub import convert_file_size_to_int
+
+            written.update(stream_export(lm, choice.plan, files, out, convert_file_size_to_int(max_shard_size),
+                                         lm.dtype))
+            config.save_pretrained(out)
+            if getattr(lm.model, "generation_config", None) is not None:
+                lm.model.generation_config.save_pretrained(out)
+        else:
+            pruned.config = config
+            pruned.save_pretrained(out, max_shard_size=max_shard_size)
         lm.tokenizer.save_pretrained(out)
     except OSError as e:
         for f in set(out.iterdir()) - before_files:
@@ -177,6 +266,12 @@ def _write(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, max_shard_s
             raise UserError(f"the disk filled up while writing the export to {out}; the partial files were removed; "
                             "free some space and rerun the same command (finished evaluations are cached)") from None
         raise
+    _finish_config(lm, config, choice, out)
+    return written
+
+
+def _finish_config(lm: LoadedModel, config, choice: LayoutChoice, out: Path) -> None:
+    """config.json as stock from_pretrained reads it (our modelling file for the per-layer layout)."""
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     base_class = lm.arch.causal_lm_class_name(config)
@@ -193,10 +288,7 @@ def _write(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, max_shard_s
 def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedTask | None,
                   reference=None) -> dict:
     """Reload ``out`` and compare its logits with the ablated original, or with ``reference`` (the healed model)."""
-    from transformers import AutoModelForCausalLM
-
-    trust = choice.layout == "per-layer"  # our own modelling file, written a moment ago
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=lm.dtype, trust_remote_code=trust).to(lm.device).eval()
+    reloaded = _reload(lm, choice, out, None)
     ids = sample_prompts(lm, enc).to(lm.device)
     what = f"the exported model in {out}"
     if reference is not None:
@@ -226,10 +318,11 @@ def verify_in_memory(lm: LoadedModel, choice: LayoutChoice, pruned, enc: Encoded
     return result
 
 
-def _speed(lm: LoadedModel, reloaded: LoadedModel, log) -> dict:
-    """The export timed against the original in this run (a few seconds); a failure is recorded, not fatal."""
+def _speed(lm: LoadedModel, pruned, log) -> dict:
+    """The pruned model (the export's weights and shapes, sharing the rest with the original) timed against the
+    original in this run (a few seconds); a failure is recorded, not fatal."""
     try:
-        speed = measure(lm.model, reloaded.model, lm.arch, lm.config.vocab_size, lm.device)
+        speed = measure(lm.model, pruned, lm.arch, lm.config.vocab_size, lm.device)
     except Exception as e:  # noqa: BLE001  (timing must never lose a verified export)
         return {"skipped": f"{type(e).__name__}: {str(e)[:120]}"}
     log(f"speed of the export against the original ({speed['dtype']}, {speed['device']}, batch {speed['batch']}): "
@@ -270,11 +363,14 @@ def _evaluate_export(reloaded: LoadedModel, out: Path, check: ExportCheck, heali
     return summary
 
 
-def export_stats(lm: LoadedModel, pruned, choice: LayoutChoice, heads: HeadSet) -> dict:
+def export_stats(lm: LoadedModel, parameters: int, choice: LayoutChoice, heads: HeadSet,
+                 source_parameters: int | None = None) -> dict:
+    """Parameters, heads and KV cache before and after (``parameters``: the pruned model's)."""
     geometries = lm.arch.geometries(lm.model)
     head_dim = lm.arch.head_dim(lm.config)
-    before = model_stats(lm.model, [(g.num_heads, g.num_kv_heads) for g in geometries], head_dim, lm.dtype)
-    after = model_stats(pruned, choice.plan.shapes, head_dim, lm.dtype)
+    shapes = [(g.num_heads, g.num_kv_heads) for g in geometries]
+    before = model_stats(source_parameters or _parameters(lm.model), shapes, head_dim, lm.dtype)
+    after = model_stats(parameters, choice.plan.shapes, head_dim, lm.dtype)
     if choice.layout == "masked":
         after["query_heads"] = before["query_heads"] - len(heads)
     return {"before": before, "after": after}

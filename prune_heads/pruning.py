@@ -38,15 +38,20 @@ def apply_plan(model: nn.Module, arch: ArchAdapter, plan: PrunePlan) -> None:
     """Replace every layer's attention weights in place (the caller owns ``model``; pass a copy to keep the
     original)."""
     for i, lp in enumerate(plan.layers):
-        if lp.is_identity:
-            continue
-        if not lp.slots:
-            arch.remove_attention(model, i)
-            continue
-        attn = arch.attention(model, i)
-        for name, module in sliced_projections(attn, arch, lp).items():
-            setattr(attn, name, module)
-        arch.set_head_counts(attn, lp.num_heads, lp.num_kv_heads)
+        apply_layer_plan(model, arch, i, lp)
+
+
+def apply_layer_plan(model: nn.Module, arch: ArchAdapter, layer: int, lp: LayerPlan) -> None:
+    """One layer of ``apply_plan``: its attention sliced in place (removed when it keeps no heads)."""
+    if lp.is_identity:
+        return
+    if not lp.slots:
+        arch.remove_attention(model, layer)
+        return
+    attn = arch.attention(model, layer)
+    for name, module in sliced_projections(attn, arch, lp).items():
+        setattr(attn, name, module)
+    arch.set_head_counts(attn, lp.num_heads, lp.num_kv_heads)
 
 
 def pruned_copy(model: nn.Module, arch: ArchAdapter, plan: PrunePlan, share: bool = False) -> nn.Module:

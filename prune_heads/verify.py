@@ -1,5 +1,6 @@
 """Is the model that ships the model that was verified? Logits of two models on the same prompts, compared in
-float32 whenever memory allows (both ways exact for bf16/fp16 weights), with a tolerance set by precision."""
+float32 module by module (both ways exact for bf16/fp16 weights, one module's float32 copy at a time), with a
+tolerance set by precision."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
@@ -31,54 +32,85 @@ def sample_prompts(lm: LoadedModel, enc: EncodedTask | None, n: int = 4, length:
     return torch.randint(0, lm.config.vocab_size, (n, length), generator=g)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 @contextmanager
 def float32_parameters(model: torch.nn.Module, enabled: bool = True):
-    """The model's low-precision parameters in float32 for the duration, then back. Exact both ways: every bf16 or
-    fp16 value is a float32 value. Buffers keep their dtype (RoPE's inv_freq is float32 already)."""
-    changed = {}
-    if enabled:
-        for name, p in model.named_parameters():
-            if p.dtype in (torch.bfloat16, torch.float16):
-                changed[name] = p.dtype
-                p.data = p.data.float()
+    """The model computing in float32 for the duration, one module at a time: each module's bf16/fp16 parameters
+    become float32 just before its forward and get their own storage back just after, so at most one module's
+    float32 copy exists (a layer, or the embedding) rather than a float32 copy of the whole model. Exact both ways:
+    every bf16 or fp16 value is a float32 value. Buffers keep their dtype (RoPE's inv_freq is float32 already)."""
+    if not enabled:
+        yield model
+        return
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+
+    def upcast(module, args):
+        own = {n: p for n, p in module.named_parameters(recurse=False) if p.dtype in LOW_PRECISION}
+        saved[id(module)] = {n: p.data for n, p in own.items()}
+        for p in own.values():
+            p.data = p.data.float()
+
+    def restore(module, *_):
+        for name, data in saved.pop(id(module), {}).items():
+            getattr(module, name).data = data
+
+    modules = [m for m in model.modules() if any(p.dtype in LOW_PRECISION for p in m.parameters(recurse=False))]
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(upcast), m.register_forward_hook(restore))]
     try:
         yield model
     finally:
-        for name, p in model.named_parameters():
-            if name in changed:
-                p.data = p.data.to(changed[name])
+        for h in handles:
+            h.remove()
+        for m in modules:  # a forward that raised leaves its module upcast
+            restore(m)
 
 
 def comparison_dtype(models: list[torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """float32 if the largest model's float32 upcast fits in free memory (with room to spare), else ``dtype``."""
+    """float32 if the largest module's float32 upcast fits in free memory (with room to spare), else ``dtype``."""
     if dtype == torch.float32:
         return dtype
-    extra = max(sum(p.numel() for p in m.parameters()) for m in models) * (4 - bytes_per_value(dtype))
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for model in models for m in model.modules())
     free = available_bytes(device)
-    return torch.float32 if free is not None and extra * 1.5 < free else dtype
+    return torch.float32 if free is not None and largest * (4 - bytes_per_value(dtype)) * 1.5 < free else dtype
 
 
 @torch.no_grad()
-def compare_models(reference: torch.nn.Module, candidate: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype,
-                   what: str, reference_context=nullcontext) -> dict:
-    """Check ``candidate`` computes what ``reference`` (inside ``reference_context()``, e.g. an ablation) computes on
-    ``ids``: logits within tolerance, else an error. Both run in float32 when that fits in memory, so the check is
-    sharp (a wrong slice moves logits by whole units, bf16 rounding alone by ~1% after 30 layers)."""
-    precision = comparison_dtype([reference, candidate], dtype, ids.device)
-    upcast = precision != dtype
-    # One prompt at a time: a batch of full-vocabulary float32 logits is itself a sizeable share of a small model.
-    with float32_parameters(reference, upcast), reference_context():
-        expected = [reference(input_ids=row[None]).logits.float() for row in ids]
+def reference_logits(reference: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype, reference_context=nullcontext,
+                     precision: torch.dtype | None = None) -> tuple[list[torch.Tensor], torch.dtype]:
+    """``reference``'s float32 logits on each prompt (inside ``reference_context()``, e.g. an ablation), computed in
+    float32 when one module's upcast fits, and the precision used. One prompt at a time: a batch of full-vocabulary
+    float32 logits is itself a sizeable share of a small model."""
+    precision = precision or comparison_dtype([reference], dtype, ids.device)
+    with float32_parameters(reference, precision != dtype), reference_context():
+        return [reference(input_ids=row[None]).logits.float().cpu() for row in ids], precision
+
+
+@torch.no_grad()
+def check_logits(candidate: torch.nn.Module, ids: torch.Tensor, expected: list[torch.Tensor], dtype: torch.dtype,
+                 precision: torch.dtype, what: str) -> dict:
+    """Check ``candidate`` reproduces ``expected`` (``reference_logits``) on ``ids`` within tolerance, else an error."""
     diff, largest, same = 0.0, 0.0, 0
-    with float32_parameters(candidate, upcast):
+    with float32_parameters(candidate, precision != dtype):
         for row, want in zip(ids, expected):
-            got = candidate(input_ids=row[None]).logits.float()
+            got = candidate(input_ids=row[None]).logits.float().cpu()
             diff = max(diff, float((got - want).abs().max()))
             largest = max(largest, float(want.abs().max()))
             same += int((got.argmax(-1) == want.argmax(-1)).sum())
     tol = check_difference(diff, largest, precision, what)
     return {"max_abs_logit_diff": diff, "tolerance": round(tol, 6), "compared_in": str(precision).replace("torch.", ""),
             "argmax_agreement": same / ids.numel()}
+
+
+def compare_models(reference: torch.nn.Module, candidate: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype,
+                   what: str, reference_context=nullcontext) -> dict:
+    """Check ``candidate`` computes what ``reference`` (inside ``reference_context()``, e.g. an ablation) computes on
+    ``ids``: logits within tolerance, else an error. Both run in float32 module by module when that fits, so the
+    check is sharp (a wrong slice moves logits by whole units, bf16 rounding alone by ~1% after 30 layers)."""
+    precision = comparison_dtype([reference, candidate], dtype, ids.device)
+    expected, precision = reference_logits(reference, ids, dtype, reference_context, precision)
+    return check_logits(candidate, ids, expected, dtype, precision, what)
 
 
 def check_difference(diff: float, largest: float, dtype: torch.dtype, what: str) -> float:

@@ -21,6 +21,7 @@ from prune_heads.fileio import StagedDirectory, write_json, write_text
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from prune_heads.inputs import Inputs, compare_texts, kl_text_sequences, round_robin
 from prune_heads.models.loading import LoadedModel
+from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.parallel import LOCAL, Ranks
 from prune_heads.report import METRIC_NAMES, accuracy_summary, scores_payload, versions, write_eval_outputs
 from prune_heads.run import (
@@ -154,12 +155,24 @@ def _export(run: Run, verifier: Verifier, selection: Selection, report: dict) ->
         ablated = verifier.evaluate_ablation(selection.heads) if s.heal_in_search else selection.result
         check = ExportCheck(run.enc, verifier.baseline, ablated, exported_evaluator(run.work, run.enc), s.batch_size)
         result = export_pruned(run.lm, selection.heads, run.stage, s.layout, s.max_shard_size, check=check, info=info,
-                               progress=s.progress, log=echo, heal=verifier.heal, planner=run.planner, **_formats(s))
+                               progress=s.progress, log=echo, heal=verifier.heal, planner=run.planner, **_formats(s),
+                               **_shipping(run))
     report["export"] = {"layout": result.choice.layout, "reason": result.choice.reason,
                         "options": result.choice.options, "stats": result.stats,
                         "verification": result.verification, "task_eval": result.task_eval,
                         "healing": result.manifest.get("healing"), "speed": result.speed, "gguf": result.gguf}
     return result
+
+
+def _shipping(run: Run) -> dict:
+    """The command is done with the original once the export has its reference logits (its weights are released
+    before the reload), and the reload is placed as the run's model was (--device-map, --max-memory)."""
+    s = run.settings
+    placement = None
+    if s.device_map:
+        placement = {"device_map": device_map_option(s.device_map), "max_memory": max_memory_option(s.max_memory),
+                     "offload_folder": str(run.staged.offload_dir)}
+    return {"release_source": True, "placement": placement}
 
 
 def _formats(s: Settings) -> dict:
@@ -216,7 +229,7 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
                                 exported_evaluator(run.work, run.enc), settings.batch_size)
         result = export_pruned(run.lm, heads, staged.path, settings.layout, settings.max_shard_size, check=check,
                                info={"scorer": None, "budget": None, "warnings": warnings}, progress=settings.progress,
-                               log=echo, planner=run.planner, **_formats(settings))
+                               log=echo, planner=run.planner, **_formats(settings), **_shipping(run))
         write_json(staged.path / "heads.json", heads.to_json())
     echo(f"exported {len(heads)} removed heads ({result.choice.layout} layout): {out}", fg="green")
     return result

@@ -1,6 +1,6 @@
 """--device-map (accelerate's big-model inference): part of a tiny model offloaded to disk gives the same scores,
-predictions and log-likelihoods as the model in memory, through the commands; a disk-offloaded model is not exported
-(one line saying how); bad placements are refused."""
+predictions and log-likelihoods as the model in memory, through the commands; a disk-offloaded model exports by
+streaming its safetensors files (the same files as from memory); bad placements are refused."""
 from __future__ import annotations
 
 import json
@@ -54,9 +54,27 @@ def test_disk_offload_eval_log_likelihoods_equal(model_dir, tmp_path, capsys):
     assert rows["plain"] == rows["mapped"] and len(rows["plain"]) == 6
 
 
-def test_an_offloaded_model_is_not_exported(model_dir, tmp_path, capsys):
-    _, err = _main(model_dir, tmp_path, capsys, "out", "--device-map", _device_map(tmp_path), code=2)
-    assert "offloaded to disk" in err and "--no-export" in err and not (tmp_path / "out").exists()
+def test_an_offloaded_model_is_exported_by_streaming_its_safetensors(model_dir, tmp_path, capsys):
+    """Half the layers on disk: the export is written from the source files tensor by tensor (the offloaded weights
+    are never in memory together), reloaded with the same device map, and equals the export of the model in memory."""
+    from safetensors.torch import load_file
+
+    plain, _ = _main(model_dir, tmp_path, capsys, "plain")
+    mapped, err = _main(model_dir, tmp_path, capsys, "mapped", "--device-map", _device_map(tmp_path))
+    assert "tensor by tensor" in err
+    v = mapped["export"]["verification"]
+    assert v["streamed"] and v["max_abs_logit_diff"] <= v["tolerance"] and v["argmax_agreement"] == 1.0
+    assert mapped["heads"] == plain["heads"] and mapped["export"]["task_eval"] == plain["export"]["task_eval"]
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("plain", "mapped"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert mapped["export"]["stats"] == plain["export"]["stats"]
+    assert not (tmp_path / "mapped" / ".offload").exists()
+
+
+def test_an_offloaded_model_is_not_written_as_gguf(model_dir, tmp_path, capsys):
+    _, err = _main(model_dir, tmp_path, capsys, "out", "--device-map", _device_map(tmp_path), "--format", "gguf",
+                   code=2)
+    assert "offloaded to disk" in err and "--format safetensors" in err and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("args,message", [
