@@ -107,13 +107,18 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
                         healed=healing is not None) if "gguf" in formats else None)
     if "safetensors" in formats:
-        shipped = _ship_safetensors(lm, pruned, healing, choice, out, max_shard_size, enc, files,
-                                    measure_speed and pruned is not None, log, release_source, placement)
+        shipped = _write_safetensors(lm, pruned, healing, choice, out, max_shard_size, enc, files,
+                                     measure_speed and pruned is not None, log)
+        del pruned  # the last reference to the pruned copy (it shares the original's weights)
+        released = release_source and not getattr(lm.model, "hf_device_map", None)
+        if released:
+            lm.model.to("meta")  # the caller is done with the original: free its weights before the reload
+        _check_reload(lm, choice, out, shipped, released, placement)
     else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
         shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
                                 export_stats(lm, _parameters(pruned), choice, heads),
                                 _speed(lm, pruned, log) if measure_speed else None)
-    del pruned
+        del pruned
     shipped.stats = shipped.stats or export_stats(lm, shipped.parameters, choice, heads, shipped.source_parameters)
     verification = shipped.verification
     log(f"{'reloaded ' + out.name if 'safetensors' in formats else 'pruned model'}: max |logit diff| "
@@ -141,6 +146,7 @@ class _ShippedModel:
     parameters: int = 0
     source_parameters: int | None = None  # counted in the source files when streamed (an offloaded model's own
     # parameters() do not all show)
+    reference: dict | None = None  # the reference logits the reload is checked against, until it is
 
 
 def _offloaded(lm: LoadedModel) -> bool:
@@ -164,34 +170,39 @@ def _refuse_offloaded(lm: LoadedModel, files, formats) -> None:
                         "where the model fits in memory")
 
 
-def _ship_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, out: Path, max_shard_size: str,
-                      enc, files, with_speed: bool, log, release_source: bool, placement: dict | None) -> _ShippedModel:
-    """Reference logits first (the ablated original, or the healed model), then write (streamed from the source's
-    safetensors when it can be), time the pruned model against the original while they share weights, release
-    what is no longer needed, and only then reload the files and check them against the reference."""
+def _write_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, out: Path, max_shard_size: str, enc,
+                       files, with_speed: bool, log) -> _ShippedModel:
+    """Reference logits first (the ablated original, or the healed model), then the files (streamed from the
+    source's safetensors when it can be), then the pruned model timed against the original while they share
+    weights. The reload and its check come after the caller has let go of what it no longer needs."""
     ids = sample_prompts(lm, enc).to(lm.device)
     if healing is not None:
         expected, precision = reference_logits(pruned, ids, lm.dtype)
     else:
         expected, precision = reference_logits(lm.model, ids, lm.dtype, lambda: ablate(lm, choice.plan))
     written = _write(lm, pruned, choice, out, max_shard_size, files)
-    if written.get("streamed"):
+    if written["streamed"]:
         log(f"written from {len(set(files.values()))} source safetensors file(s) tensor by tensor: "
             f"{len(written['files'])} shard(s)")
     speed = _speed(lm, pruned, log) if with_speed else None
     parameters = _parameters(pruned) if pruned is not None else written["parameters"]
-    del pruned
-    if release_source and not getattr(lm.model, "hf_device_map", None):
-        lm.model.to("meta")  # the caller is done with the original: free its weights before the reload
+    return _ShippedModel({}, None, speed, parameters, written.get("source_parameters"),
+                         {"ids": ids, "expected": expected, "precision": precision, "streamed": written["streamed"]})
+
+
+def _check_reload(lm: LoadedModel, choice: LayoutChoice, out: Path, shipped: _ShippedModel, released: bool,
+                  placement: dict | None) -> None:
+    """Load the written files as a user would and check their logits against the reference taken before."""
+    reference = shipped.reference
     reloaded = _reload(lm, choice, out, placement)
-    result = check_logits(reloaded, ids.to(_input_device(reloaded)), expected,
-                          lm.dtype, precision, f"the exported model in {out}")
+    ids = reference["ids"]
+    result = check_logits(reloaded, ids.to(_input_device(reloaded)), reference["expected"], lm.dtype,
+                          reference["precision"], f"the exported model in {out}")
     result.update(prompts=int(ids.shape[0]), tokens_per_prompt=int(ids.shape[1]),
-                  dtype=str(lm.dtype).replace("torch.", ""), streamed=bool(written.get("streamed")),
-                  source_released=release_source)
+                  dtype=str(lm.dtype).replace("torch.", ""), streamed=reference["streamed"], source_released=released)
     result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source,
                                    lm.dtype, _input_device(reloaded))
-    return _ShippedModel(result, None, speed, parameters, written.get("source_parameters"))
+    shipped.verification, shipped.reference = result, None
 
 
 def _input_device(model) -> torch.device:

@@ -130,15 +130,17 @@ def stream_export(lm: LoadedModel, plan: PrunePlan, files: dict[str, Path], out:
         return tensor
 
     try:
-        for name in files:  # the source's own order, file by file
-            layer = next((i for i, p in prefixes.items() if name.startswith(p)), None)
-            if layer is None:
-                shards.add(name, read(name).to(dtype))
-            elif layer not in done:
-                for key, tensor in _pruned_attention(skeleton, arch, layer, plan.layers[layer], prefixes[layer],
-                                                     read).items():
-                    shards.add(key, tensor.to(dtype))
-                done.add(layer)
+        for source in dict.fromkeys(files.values()):  # file by file, each closed once read
+            for name in (n for n, f in files.items() if f == source):
+                layer = next((i for i, p in prefixes.items() if name.startswith(p)), None)
+                if layer is None:
+                    shards.add(name, read(name).to(dtype))
+                elif layer not in done:
+                    for key, tensor in _pruned_attention(skeleton, arch, layer, plan.layers[layer], prefixes[layer],
+                                                         read).items():
+                        shards.add(key, tensor.to(dtype))
+                    done.add(layer)
+            handles.clear()
         paths = shards.finish()
     finally:
         for f in out.glob(".shard-*.tmp"):
