@@ -29,6 +29,7 @@ from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
+from prune_heads.models.placement import release_weights
 from prune_heads.planning import LayoutChoice, Planner, planner_for
 from prune_heads.pruning import pruned_copy
 from prune_heads.readers import check_manifest, read_json
@@ -112,7 +113,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
         del pruned  # the last reference to the pruned copy (it shares the original's weights)
         released = release_source and not getattr(lm.model, "hf_device_map", None)
         if released:
-            lm.model.to("meta")  # the caller is done with the original: free its weights before the reload
+            release_weights(lm.model)  # the caller is done with the original: free its weights before the reload
         _check_reload(lm, choice, out, shipped, released, placement)
     else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
         shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),

@@ -66,3 +66,17 @@ def max_memory_option(value: str | None) -> dict | None:
             raise UserError(f"--max-memory {value!r} is not a list of DEVICE=SIZE; write e.g. 0=20GiB,cpu=60GiB")
         out[int(device) if device.isdigit() else device] = size.strip()
     return out
+
+
+def release_weights(model: nn.Module) -> None:
+    """Free ``model``'s weights (they move to ``meta``) and hand the memory back to the system: glibc keeps freed
+    blocks for reuse, so without ``malloc_trim`` the next model loaded would sit beside them in RSS."""
+    import ctypes
+    import gc
+
+    model.to("meta")
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator returns memory its own way
+        pass
