@@ -297,24 +297,6 @@ def _finish_config(lm: LoadedModel, config, choice: LayoutChoice, out: Path) -> 
 
 
 @torch.no_grad()
-def verify_export(lm: LoadedModel, choice: LayoutChoice, out: Path, enc: EncodedTask | None,
-                  reference=None) -> dict:
-    """Reload ``out`` and compare its logits with the ablated original, or with ``reference`` (the healed model)."""
-    reloaded = _reload(lm, choice, out, None)
-    ids = sample_prompts(lm, enc).to(lm.device)
-    what = f"the exported model in {out}"
-    if reference is not None:
-        result = compare_models(reference, reloaded, ids, lm.dtype, what)
-    else:
-        result = compare_models(lm.model, reloaded, ids, lm.dtype, what, lambda: ablate(lm, choice.plan))
-    result.update(prompts=int(ids.shape[0]), tokens_per_prompt=int(ids.shape[1]),
-                  dtype=str(lm.dtype).replace("torch.", ""))
-    result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source,
-                                   lm.dtype, lm.device)
-    return result
-
-
-@torch.no_grad()
 def verify_in_memory(lm: LoadedModel, choice: LayoutChoice, pruned, enc: EncodedTask | None,
                      healed: bool = False) -> dict:
     """Without a safetensors export: the pruned model in memory against the ablated original (a healed model was

@@ -182,7 +182,7 @@ def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(mo
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(ex, "verify_export", boom)
+    monkeypatch.setattr(ex, "_check_reload", boom)
     failed = tmp_path / "failed"
     code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", failed, "--no-mmlu",
                             "--no-progress"], capsys)

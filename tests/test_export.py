@@ -227,7 +227,7 @@ def _bf16(family: str):
 def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from exporters.export import verify_export
+    from exporters.export import _reload
 
     lm = _bf16("llama")
     before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
@@ -239,8 +239,7 @@ def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_p
     for n, p in lm.model.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
     # The reloaded model handed on for evaluation is the bf16 model a user gets from from_pretrained.
-    again = verify_export(lm, result.choice, tmp_path, None)
-    handed_on = again["_model"].model
+    handed_on = _reload(lm, result.choice, tmp_path, None)  # what export_pruned evaluates the task on
     assert all(p.dtype == torch.bfloat16 for p in handed_on.parameters())
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert torch.equal(logits(handed_on), logits(fresh))
