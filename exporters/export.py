@@ -29,7 +29,7 @@ from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
-from prune_heads.models.placement import release_weights
+from prune_heads.models.placement import input_device, release_weights
 from prune_heads.planning import LayoutChoice, Planner, planner_for
 from prune_heads.pruning import pruned_copy
 from prune_heads.readers import check_manifest, read_json
@@ -103,8 +103,9 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     log(f"layout {choice.layout}: {choice.reason}")
     enc = check.enc if check is not None else None
     files = streamable(lm) if "safetensors" in formats and heal is None else None
-    _refuse_offloaded(lm, files, formats)
-    pruned, healing = (None, None) if _offloaded(lm) else _pruned_model(lm, choice, enc, heal)
+    offloaded = any(p.device.type == "meta" for p in lm.model.parameters())
+    _refuse_offloaded(offloaded, files, formats)
+    pruned, healing = (None, None) if offloaded else _pruned_model(lm, choice, enc, heal)
     gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
                         healed=healing is not None) if "gguf" in formats else None)
     if "safetensors" in formats:
@@ -117,10 +118,9 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
         _check_reload(lm, choice, out, shipped, released, placement)
     else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
         shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
-                                export_stats(lm, _parameters(pruned), choice, heads),
-                                _speed(lm, pruned, log) if measure_speed else None)
+                                _speed(lm, pruned, log) if measure_speed else None, _parameters(pruned))
         del pruned
-    shipped.stats = shipped.stats or export_stats(lm, shipped.parameters, choice, heads, shipped.source_parameters)
+    stats = export_stats(lm, shipped.parameters, choice, heads, shipped.source_parameters)
     verification = shipped.verification
     log(f"{'reloaded ' + out.name if 'safetensors' in formats else 'pruned model'}: max |logit diff| "
         f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
@@ -128,7 +128,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     reloaded = verification.pop("_model")
     task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
     del reloaded
-    meta = _manifest(lm, heads, choice, shipped.stats, verification, task_eval, healing, info or {}, enc)
+    meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
     meta.update(speed=shipped.speed, formats=list(formats), gguf=gguf)
     write_text(out / "README.md", model_card(meta))
     # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
@@ -136,31 +136,26 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
                      if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
     meta["verified"] = True
     write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
-    return ExportResult(choice, shipped.stats, verification, task_eval, meta, shipped.speed, gguf)
+    return ExportResult(choice, stats, verification, task_eval, meta, shipped.speed, gguf)
 
 
 @dataclass
 class _ShippedModel:
     verification: dict  # with "_model": the model the task is evaluated on
-    stats: dict | None
     speed: dict | None
-    parameters: int = 0
+    parameters: int  # the pruned model's
     source_parameters: int | None = None  # counted in the source files when streamed (an offloaded model's own
     # parameters() do not all show)
     reference: dict | None = None  # the reference logits the reload is checked against, until it is
-
-
-def _offloaded(lm: LoadedModel) -> bool:
-    return any(p.device.type == "meta" for p in lm.model.parameters())
 
 
 def _parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _refuse_offloaded(lm: LoadedModel, files, formats) -> None:
+def _refuse_offloaded(offloaded: bool, files, formats) -> None:
     """A model partly offloaded to disk exports only by streaming from its safetensors files."""
-    if not _offloaded(lm):
+    if not offloaded:
         return
     if "gguf" in formats:
         raise UserError("part of the model is offloaded to disk (--device-map); a GGUF is written from the model in "
@@ -187,7 +182,7 @@ def _write_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, o
             f"{len(written['files'])} shard(s)")
     speed = _speed(lm, pruned, log) if with_speed else None
     parameters = _parameters(pruned) if pruned is not None else written["parameters"]
-    return _ShippedModel({}, None, speed, parameters, written.get("source_parameters"),
+    return _ShippedModel({}, speed, parameters, written.get("source_parameters"),
                          {"ids": ids, "expected": expected, "precision": precision, "streamed": written["streamed"]})
 
 
@@ -197,19 +192,13 @@ def _check_reload(lm: LoadedModel, choice: LayoutChoice, out: Path, shipped: _Sh
     reference = shipped.reference
     reloaded = _reload(lm, choice, out, placement)
     ids = reference["ids"]
-    result = check_logits(reloaded, ids.to(_input_device(reloaded)), reference["expected"], lm.dtype,
+    result = check_logits(reloaded, ids.to(input_device(reloaded)), reference["expected"], lm.dtype,
                           reference["precision"], f"the exported model in {out}")
     result.update(prompts=int(ids.shape[0]), tokens_per_prompt=int(ids.shape[1]),
                   dtype=str(lm.dtype).replace("torch.", ""), streamed=reference["streamed"], source_released=released)
     result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source,
-                                   lm.dtype, _input_device(reloaded))
+                                   lm.dtype, input_device(reloaded))
     shipped.verification, shipped.reference = result, None
-
-
-def _input_device(model) -> torch.device:
-    from prune_heads.models.placement import input_device
-
-    return input_device(model) if getattr(model, "hf_device_map", None) else next(model.parameters()).device
 
 
 def _reload(lm: LoadedModel, choice: LayoutChoice, out: Path, placement: dict | None):

@@ -66,7 +66,7 @@ def streamable(lm: LoadedModel) -> dict[str, Path] | None:
     if files is None or getattr(lm.config, "quantization_config", None):
         return None
     tied = {"lm_head.weight"} if getattr(lm.config, "tie_word_embeddings", False) else set()
-    needed = set(_skeleton(lm).state_dict()) - tied
+    needed = set(lm.model.state_dict()) - tied
     return files if needed <= set(files) and set(files) <= needed | tied else None
 
 

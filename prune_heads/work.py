@@ -179,11 +179,10 @@ class Work:
         """Head scores, each rank scoring its deal of the longest-first batches."""
         if self.ranks.size == 1:
             return score_heads(self.lm, seqs, self.batch_size, self.progress)
-        mine = [i for batch in self.ranks.deal(longest_first(seqs, self.batch_size)) for i in batch]
-        part = score_heads(self.lm, [seqs[i] for i in mine], self.batch_size, self.progress).per_input if mine else {}
         tables: dict[str, torch.Tensor] = {}
-        for idx, values in self.ranks.gather((mine, part)):
-            for key, value in values.items():
+        for idx, part in self._on_text_share(seqs, lambda mine: score_heads(self.lm, mine, self.batch_size,
+                                                                             self.progress).per_input):
+            for key, value in part.items():
                 tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
         return ScoreTable(tables, [len(s) for s in seqs])
 
@@ -191,12 +190,18 @@ class Work:
         """Next-token KL per text, each rank taking its deal of the longest-first batches."""
         if self.ranks.size == 1:
             return next_token_kl(self.lm, sequences, target, self.batch_size)
-        mine = [i for batch in self.ranks.deal(longest_first(sequences, self.batch_size)) for i in batch]
-        part = next_token_kl(self.lm, [sequences[i] for i in mine], target, self.batch_size)
         out = torch.zeros(len(sequences), dtype=torch.float64)
-        for idx, values in self.ranks.gather((mine, part)):
-            out[idx] = values
+        for idx, part in self._on_text_share(sequences, lambda mine: next_token_kl(self.lm, mine, target,
+                                                                                   self.batch_size)):
+            out[idx] = part
         return out
+
+    def _on_text_share(self, sequences: list[list[int]], run) -> list[tuple[list[int], object]]:
+        """``run(sequences)`` on this rank's deal of the single-process batches (longest first); every rank's
+        (indices, result) back, ranks with no batch left out."""
+        mine = [i for batch in self.ranks.deal(longest_first(sequences, self.batch_size)) for i in batch]
+        parts = self.ranks.gather((mine, run([sequences[i] for i in mine]) if mine else None))
+        return [(idx, part) for idx, part in parts if idx]
 
     def _on_task_share(self, enc: EncodedTask, masks, run) -> list[EvalResult]:
         """``run(task part, its masks) -> [EvalResult, ...]`` on this rank's span of whole subjects (cut inside a

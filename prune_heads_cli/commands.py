@@ -153,7 +153,7 @@ def _export(run: Run, verifier: Verifier, selection: Selection, report: dict) ->
     else:
         # With --heal-in-search the chosen point was judged healed; before/after healing compares the ablation.
         ablated = verifier.evaluate_ablation(selection.heads) if s.heal_in_search else selection.result
-        check = ExportCheck(run.enc, verifier.baseline, ablated, exported_evaluator(run.work, run.enc), s.batch_size)
+        check = ExportCheck(run.enc, verifier.baseline, ablated, run.work.exported_evaluator(run.enc), s.batch_size)
         result = export_pruned(run.lm, selection.heads, run.stage, s.layout, s.max_shard_size, check=check, info=info,
                                progress=s.progress, log=echo, heal=verifier.heal, planner=run.planner, **_formats(s),
                                **_shipping(run))
@@ -178,16 +178,6 @@ def _shipping(run: Run) -> dict:
 def _formats(s: Settings) -> dict:
     formats = ("safetensors", "gguf") if s.export_format == "both" else (s.export_format,)
     return {"formats": formats, "gguf_type": s.gguf_type}
-
-
-def exported_evaluator(work: Work, enc):
-    """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
-
-    def run(reloaded: LoadedModel, files_digest: str) -> EvalResult:
-        key = {**work.model_key, "model": f"export:{files_digest}"}
-        return work.evaluate(enc, None, "exported model", lm=reloaded, model_key=key)
-
-    return run
 
 
 def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResult) -> dict:
@@ -226,7 +216,7 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
             verifier = Verifier(run.work, run.planner, run.enc, settings.budget, settings.layout)
             warnings = [w for w in [warn_chance(verifier.baseline, task=settings.task)] if w]
             check = ExportCheck(run.enc, verifier.baseline, verifier.evaluate_ablation(heads),
-                                exported_evaluator(run.work, run.enc), settings.batch_size)
+                                run.work.exported_evaluator(run.enc), settings.batch_size)
         result = export_pruned(run.lm, heads, staged.path, settings.layout, settings.max_shard_size, check=check,
                                info={"scorer": None, "budget": None, "warnings": warnings}, progress=settings.progress,
                                log=echo, planner=run.planner, **_formats(settings), **_shipping(run))
