@@ -28,7 +28,7 @@ from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl
 from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
 from prune_heads.models.adapters import adapter_for
-from prune_heads.models.loading import LoadedModel
+from prune_heads.models.loading import LoadedModel, dense_logits_input
 from prune_heads.models.placement import input_device, release_weights
 from prune_heads.planning import LayoutChoice, Planner, planner_for
 from prune_heads.pruning import pruned_copy
@@ -209,6 +209,7 @@ def _reload(lm: LoadedModel, choice: LayoutChoice, out: Path, placement: dict | 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=lm.dtype, trust_remote_code=trust, **(placement or {}))
     if not (placement or {}).get("device_map"):
         model.to(lm.device)
+    dense_logits_input(model)
     return model.eval().requires_grad_(False)
 
 

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .ablation import HeadAblation, mask_for
-from .batching import longest_first
+from .batching import pass_budget, text_batches
 from .data.tasks import LETTERS, TASKS, Question, TaskData
 from .heads import HeadSet
 from .models.loading import LoadedModel
@@ -352,7 +352,8 @@ def _fast_subject(
     cache = model(input_ids=torch.tensor([subject.prefix] * n, device=dev), use_cache=True, logits_to_keep=1).cache
     p = len(subject.prefix)
     order = sorted(rows, key=lambda r: len(subject.items[r].context))
-    chunk_size = max(1, batch_size // n)
+    # Every row of a chunk holds its own copy of the prefix's KV cache: as many rows as the pass budget allows.
+    chunk_size = max(1, min(batch_size, pass_budget(lm).cached_rows(p, batch_size)) // n)
     out: list[dict[int, list[float]]] = [{} for _ in range(n)]
     for start in range(0, len(order), chunk_size):
         chunk = order[start : start + chunk_size]
@@ -580,7 +581,7 @@ def next_token_kl(
     out = torch.zeros(len(sequences), dtype=torch.float64)
     dev = lm.device
     with HeadAblation(lm) as abl:
-        for idx in longest_first(sequences, batch_size):
+        for idx in text_batches(lm, sequences, batch_size, full_logits=True):
             lengths = torch.tensor([len(sequences[i]) for i in idx])
             ids = torch.zeros(len(idx), int(lengths.max()), dtype=torch.long)
             for row, i in enumerate(idx):

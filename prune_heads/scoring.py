@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import attention_stats
-from .batching import longest_first
+from .batching import text_batches
 from .heads import BASE_KEYS, ScoreTable
 from .models.loading import LoadedModel
 from .models.placement import live_weight
@@ -200,7 +200,7 @@ def score_heads(
     per_input: dict[str, list[torch.Tensor | None]] = {}
     bar = tqdm(total=len(sequences), desc="scoring heads", unit="input", disable=not progress)
     with stats_attention(lm), _ScoringProbe(lm) as probe:
-        for idx in longest_first(sequences, batch_size):
+        for idx in text_batches(lm, sequences, batch_size):
             lengths = torch.tensor([len(sequences[i]) for i in idx])
             ids = torch.full((len(idx), int(lengths.max())), pad_id, dtype=torch.long)
             for row, i in enumerate(idx):

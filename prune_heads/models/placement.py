@@ -69,12 +69,17 @@ def max_memory_option(value: str | None) -> dict | None:
 
 
 def release_weights(model: nn.Module) -> None:
-    """Free ``model``'s weights (they move to ``meta``) and hand the memory back to the system: glibc keeps freed
-    blocks for reuse, so without ``malloc_trim`` the next model loaded would sit beside them in RSS."""
+    """Free ``model``'s weights (they move to ``meta``) and hand the memory back to the system."""
+    model.to("meta")
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Collect garbage and hand freed memory back to the system: glibc keeps freed blocks for reuse, so without
+    ``malloc_trim`` what is allocated next (another model, a larger batch) would sit beside them in RSS."""
     import ctypes
     import gc
 
-    model.to("meta")
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
