@@ -180,8 +180,10 @@ class Work:
         if self.ranks.size == 1:
             return score_heads(self.lm, seqs, self.batch_size, self.progress)
         tables: dict[str, torch.Tensor] = {}
-        for idx, part in self._on_text_share(seqs, False, lambda mine: score_heads(self.lm, mine, self.batch_size,
-                                                                             self.progress).per_input):
+        def run(mine):
+            return score_heads(self.lm, mine, self.batch_size, self.progress).per_input
+
+        for idx, part in self._on_text_share(seqs, False, run):
             for key, value in part.items():
                 tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
         return ScoreTable(tables, [len(s) for s in seqs])
@@ -191,8 +193,10 @@ class Work:
         if self.ranks.size == 1:
             return next_token_kl(self.lm, sequences, target, self.batch_size)
         out = torch.zeros(len(sequences), dtype=torch.float64)
-        for idx, part in self._on_text_share(sequences, True, lambda mine: next_token_kl(self.lm, mine, target,
-                                                                                   self.batch_size)):
+        def run(mine):
+            return next_token_kl(self.lm, mine, target, self.batch_size)
+
+        for idx, part in self._on_text_share(sequences, True, run):
             out[idx] = part
         return out
 
