@@ -40,15 +40,24 @@ def float32_parameters(model: torch.nn.Module, enabled: bool = True):
     """The model computing in float32 for the duration, one module at a time: each module's bf16/fp16 parameters
     become float32 just before its forward and get their own storage back just after, so at most one module's
     float32 copy exists (a layer, or the embedding) rather than a float32 copy of the whole model. Exact both ways:
-    every bf16 or fp16 value is a float32 value. Buffers keep their dtype (RoPE's inv_freq is float32 already)."""
+    every bf16 or fp16 value is a float32 value. Buffers keep their dtype (RoPE's inv_freq is float32 already).
+
+    The vocabulary matrices, often the largest tensors of a small model (SmolLM2-135M: 113 MB in float32, more than
+    any layer), are never upcast whole: the input embedding upcasts only the rows the prompt looks up, and the output
+    projection multiplies a block of vocabulary rows at a time, each block no larger than the largest layer module."""
     if not enabled:
         yield model
         return
     saved: dict[int, dict[str, torch.Tensor]] = {}
+    vocab_in, vocab_out = _vocabulary_modules(model)
 
     def upcast(module, args):
         own = {n: p for n, p in module.named_parameters(recurse=False) if p.dtype in LOW_PRECISION}
         saved[id(module)] = {n: p.data for n, p in own.items()}
+        if module is vocab_in and args and torch.is_tensor(args[0]):  # only the rows looked up
+            rows, ids = args[0].unique(return_inverse=True)
+            module.weight.data = module.weight.data[rows].float()
+            return (ids, *args[1:])
         for p in own.values():
             p.data = p.data.float()
 
@@ -56,8 +65,10 @@ def float32_parameters(model: torch.nn.Module, enabled: bool = True):
         for name, data in saved.pop(id(module), {}).items():
             getattr(module, name).data = data
 
-    modules = [m for m in model.modules() if any(p.dtype in LOW_PRECISION for p in m.parameters(recurse=False))]
+    modules = [m for m in model.modules() if m is not vocab_out and _low_precision(m)]
     handles = [h for m in modules for h in (m.register_forward_pre_hook(upcast), m.register_forward_hook(restore))]
+    if vocab_out is not None:
+        vocab_out.forward = _blockwise_float32_linear(vocab_out, _largest_upcast(model))
     try:
         yield model
     finally:
@@ -65,13 +76,55 @@ def float32_parameters(model: torch.nn.Module, enabled: bool = True):
             h.remove()
         for m in modules:  # a forward that raised leaves its module upcast
             restore(m)
+        if vocab_out is not None:
+            del vocab_out.forward  # the class's own forward again
+
+
+def _low_precision(module: torch.nn.Module) -> bool:
+    return any(p.dtype in LOW_PRECISION for p in module.parameters(recurse=False))
+
+
+def _vocabulary_modules(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The input embedding (an ``nn.Embedding``) and the output projection (an ``nn.Linear``) where the model has
+    them in low precision; None where it has not, or where accelerate's hooks place them (--device-map): those are
+    upcast like any module."""
+    def own(getter, kind):
+        module = getattr(model, getter, lambda: None)()
+        plain = isinstance(module, kind) and not hasattr(module, "_hf_hook")
+        return module if plain and _low_precision(module) else None
+
+    return own("get_input_embeddings", torch.nn.Embedding), own("get_output_embeddings", torch.nn.Linear)
+
+
+def _largest_upcast(model: torch.nn.Module) -> int:
+    """Parameters of the largest module :func:`float32_parameters` upcasts whole (the vocabulary matrices excluded)."""
+    skip = [m for m in _vocabulary_modules(model) if m is not None]
+    sizes = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules() if m not in skip]
+    return max([s for s in sizes if s] or [1])
+
+
+def _blockwise_float32_linear(linear: torch.nn.Linear, block_params: int):
+    """``linear``'s forward in float32, upcasting ``block_params`` worth of output rows at a time."""
+    weight, bias = linear.weight, linear.bias
+    rows = max(1, block_params // weight.shape[1])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        for lo in range(0, weight.shape[0], rows):
+            hi = min(lo + rows, weight.shape[0])
+            out[..., lo:hi] = torch.nn.functional.linear(
+                x, weight[lo:hi].float(), None if bias is None else bias[lo:hi].float())
+        return out
+
+    return forward
 
 
 def comparison_dtype(models: list[torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """float32 if the largest module's float32 upcast fits in free memory (with room to spare), else ``dtype``."""
     if dtype == torch.float32:
         return dtype
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for model in models for m in model.modules())
+    largest = max(_largest_upcast(model) for model in models)
     free = available_bytes(device)
     return torch.float32 if free is not None and largest * (4 - bytes_per_value(dtype)) * 1.5 < free else dtype
 

@@ -262,3 +262,30 @@ def test_float32_comparison_catches_a_one_percent_error_in_one_head_and_falls_ba
     check = ex.compare_models(lm.model, right, IDS, torch.bfloat16, "a copy")
     assert check["compared_in"] == "bfloat16" and check["tolerance"] == pytest.approx(
         ex.LOGIT_RTOL[torch.bfloat16] * max(1.0, float(logits(lm.model).float().abs().max())), rel=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])  # tied; untied; scaled embedding
+def test_float32_comparison_never_upcasts_a_whole_vocabulary_matrix(family):
+    """The embedding upcasts only the rows looked up and the output projection a block of rows at a time (on a small
+    model the vocabulary matrix in float32 is the largest tensor of the check); the logits are the float32 model's."""
+    import copy
+
+    from prune_heads import verify as ex
+
+    lm = _bf16(family)
+    vocab = lm.config.vocab_size
+    want = logits(copy.deepcopy(lm.model).float())
+    seen = []
+    embed, head = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
+    probes = [m.register_forward_hook(lambda m, a, out: seen.append((m.weight.dtype, m.weight.shape[0], out.dtype)))
+              for m in (embed, head)]  # registered first: they see the weights before they are given back
+    with ex.float32_parameters(lm.model):
+        got = logits(lm.model)
+    for probe in probes:
+        probe.remove()
+    assert len(IDS.unique()) < vocab
+    assert seen == [(torch.float32, len(IDS.unique()), torch.float32), (torch.bfloat16, vocab, torch.float32)]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert embed.weight.shape[0] == vocab and embed.weight.dtype == torch.bfloat16  # given back as it was
+    assert "forward" not in vars(head)  # the class's forward again
