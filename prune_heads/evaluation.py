@@ -332,6 +332,22 @@ def _expand_cache(cache, batch: int):
     return c
 
 
+def _rewindable(cache) -> bool:
+    """Whether one row can run on the prefix cache itself and be cropped back after: every layer a full-attention
+    ``DynamicLayer`` (it extends by concatenating, so cropping restores the prefix exactly; a sliding-window layer
+    may have dropped prefix states)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _suffix_cache(cache, rows: int, rewind: bool):
+    """The cache one suffix pass runs on: the prefix cache itself (``rewind``, cropped back after the pass; no second
+    copy of a long prefix), else a copy with a row per question."""
+    return cache if rewind else _expand_cache(cache, rows)
+
+
 @torch.no_grad()
 def _fast_subject(
     lm: LoadedModel,
@@ -354,6 +370,7 @@ def _fast_subject(
     order = sorted(rows, key=lambda r: len(subject.items[r].context))
     # Every row of a chunk holds its own copy of the prefix's KV cache: as many rows as the pass budget allows.
     chunk_size = max(1, min(batch_size, pass_budget(lm).cached_rows(p, batch_size)) // n)
+    rewind = chunk_size == 1 and n == 1 and _rewindable(cache)
     out: list[dict[int, list[float]]] = [{} for _ in range(n)]
     for start in range(0, len(order), chunk_size):
         chunk = order[start : start + chunk_size]
@@ -371,10 +388,12 @@ def _fast_subject(
         ends = sorted(set(m - 1 for m in lengths))
         logits = model(
             input_ids=ids.to(dev),
-            cache=_expand_cache(cache, c),
+            cache=_suffix_cache(cache, c, rewind),
             use_cache=True,
             logits_to_keep=torch.tensor(ends, device=dev),
         ).logits  # [n*c, len(ends), V]
+        if rewind:
+            cache.crop(-ids.shape[1])
         for s in range(n):
             for q, r in enumerate(chunk):
                 lp = _logprobs_at(logits[s * c + q, ends.index(lengths[q] - 1)])

@@ -150,3 +150,26 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
     # Single-subject tasks are cut into runs of questions.
     one = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=1, per_subject=12))))
     assert [len(b) for b in split_blocks(one, 3)] == [3, 2, 2]
+
+
+@pytest.mark.parametrize("family,rewinds", [("llama", True), ("qwen2", True), ("gemma2", False)])
+def test_one_row_at_a_time_runs_on_the_prefix_cache_itself_with_the_same_numbers(tmp_path, family, rewinds,
+                                                                                  monkeypatch):
+    """One question per pass (a long prefix): the suffix runs on the prefix's own KV cache, cropped back after, not
+    on a second copy; bit for bit what a copy gives. A sliding-window cache (Gemma-2) may drop prefix states: copied."""
+    from transformers.cache_utils import DynamicCache
+
+    import prune_heads.evaluation as ev
+
+    lm = tiny_model(family)
+    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=4))))
+    crops = []
+    real_crop = DynamicCache.crop
+    monkeypatch.setattr(DynamicCache, "crop", lambda self, n: (crops.append(n), real_crop(self, n))[1])
+    rewound = evaluate(lm, enc, HeadSet.of({0: [1, 2]}), batch_size=1, progress=False)
+    assert len(crops) == (len(enc) if rewinds else 0) and all(n < 0 for n in crops)
+    monkeypatch.setattr(ev, "_rewindable", lambda cache: False)
+    copied = evaluate(lm, enc, HeadSet.of({0: [1, 2]}), batch_size=1, progress=False)
+    assert torch.equal(rewound.loglik, copied.loglik)
+    ref = evaluate_reference(lm, enc, HeadSet.of({0: [1, 2]}))
+    assert torch.allclose(rewound.loglik, ref.loglik, atol=1e-4)
