@@ -262,3 +262,15 @@ def test_search_stops_evaluating_points_its_ci_puts_over_budget(model_dir, tmp_p
     assert "decided after" in err
     chosen = [p for p in report["points"] if p["chosen"]][0]
     assert chosen["n"] == total and report["final"]["n"] == total
+
+
+def test_the_command_caps_the_cpu_kernel_caches_and_keeps_a_value_the_user_set(monkeypatch):
+    """oneDNN and ideep keep a kernel per shape (1,024 each by default); the command caps both before any model runs
+    (measured in benchmarks/bench_memory.py), and an environment value the user chose wins."""
+    from prune_heads_cli.main import KERNEL_CACHES, bound_kernel_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
+    bound_kernel_caches()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == KERNEL_CACHES["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "512"
