@@ -2,8 +2,9 @@
 
     python benchmarks/bench_memory.py [--dtype float32|bfloat16] [--skip-export] [--skip-main] [--skip-embedded]
 
-Each command runs in a fresh process through a small wrapper that records the RSS just before the weights load
-(imports done, data read: the baseline) and the peak RSS at exit (``VmHWM``: the high-water mark of the process's own
+Each command runs in a fresh process through a small wrapper that records the RSS just before the weights are read
+(``loading.load_weights``: imports done, the modelling code and the tokenizer loaded, data read: the baseline; the RSS
+before the tokenizer is printed beside it) and the peak RSS at exit (``VmHWM``: the high-water mark of the process's own
 memory; ``ru_maxrss`` is not used, since Linux carries the parent's over ``fork`` and ``exec``, which is how one earlier
 run read 9.29x). Ratio = (peak - baseline) / weights' bytes in the
 run's dtype. Measured on:
@@ -28,6 +29,7 @@ from _common import machine, result
 
 WRAPPER = r"""
 import json, sys
+import prune_heads.models.loading as loading
 import prune_heads.run as run
 
 marks = {}
@@ -38,16 +40,20 @@ def rss(key="VmRSS:"):
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
 
-real = run.load
+real_load, real_weights = run.load, loading.load_weights
 
 def load(*a, **k):
-    marks["baseline"] = rss()
-    lm = real(*a, **k)
+    marks["load_called"] = rss()
+    lm = real_load(*a, **k)
     marks["weights"] = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     marks["after_load"] = rss()
     return lm
 
-run.load = load
+def load_weights(*a, **k):
+    marks.setdefault("baseline", rss())  # tokenizer and modelling code loaded, no weight read yet
+    return real_weights(*a, **k)
+
+run.load, loading.load_weights = load, load_weights
 from prune_heads_cli.main import main
 code = 0
 try:
@@ -72,9 +78,11 @@ def measure(args: list[str], label: str) -> dict:
         print(proc.stderr[-3000:])
         raise SystemExit(f"{label} exited {marks['code']}")
     ratio = (marks["peak"] - marks["baseline"]) / marks["weights"]
-    print(f"{label}: weights {marks['weights'] / 2**20:,.0f} MiB, baseline RSS {marks['baseline'] / 2**20:,.0f} MiB, "
-          f"after load {marks['after_load'] / 2**20:,.0f} MiB, peak {marks['peak'] / 2**20:,.0f} MiB: "
-          f"{ratio:.2f}x the weights above the baseline")
+    from_call = (marks["peak"] - marks["load_called"]) / marks["weights"]
+    print(f"{label}: weights {marks['weights'] / 2**20:,.0f} MiB, baseline RSS {marks['baseline'] / 2**20:,.0f} MiB "
+          f"({marks['load_called'] / 2**20:,.0f} before the tokenizer), after load {marks['after_load'] / 2**20:,.0f} "
+          f"MiB, peak {marks['peak'] / 2**20:,.0f} MiB: {ratio:.2f}x the weights above the baseline ({from_call:.2f}x "
+          "above the RSS before the tokenizer)")
     return {**marks, "ratio": ratio}
 
 

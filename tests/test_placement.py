@@ -85,3 +85,27 @@ def test_an_offloaded_model_is_not_written_as_gguf(model_dir, tmp_path, capsys):
 def test_bad_placements_are_refused_before_loading(model_dir, tmp_path, capsys, args, message):
     _, err = _main(model_dir, tmp_path, capsys, "out", *args, code=2)
     assert message in err and "resuming" not in err
+
+
+WEIGHTS_PROBE = """
+import sys
+from prune_heads.models import loading
+real, calls = loading.load_weights, []
+def recording(source, config, kwargs):
+    calls.append("transformers.models.llama.modeling_llama" in sys.modules)
+    return real(source, config, kwargs)
+loading.load_weights = recording
+lm = loading.load_model(sys.argv[1], dtype="float32", device="cpu")
+print(calls, type(lm.model).__name__, lm.tokenizer is not None)
+"""
+
+
+def test_weights_are_read_in_one_step_after_the_tokenizer_and_the_modelling_code(model_dir):
+    """``loading.load_weights`` is where loading reads weights, and only there (benchmarks/bench_memory.py takes its
+    baseline at it): in a fresh process, the architecture's modelling module is imported before it runs."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", WEIGHTS_PROBE, str(model_dir)], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["[True]", "LlamaForCausalLM", "True"]

@@ -191,9 +191,29 @@ def check_loading_info(spec: str, info: dict) -> None:
                             "pass a complete checkpoint of a supported architecture")
 
 
+def load_weights(source: ModelSource, config, kwargs: dict):
+    """(model, loading info): the model built and its weights read, the last step of loading (the tokenizer and the
+    modelling code are in memory by then; benchmarks/bench_memory.py takes its baseline here)."""
+    from transformers import AutoModelForCausalLM
+
+    if source.gguf_file and "device_map" not in kwargs:  # tensor by tensor (gguf_weights.py)
+        return load_gguf_model(str(Path(source.path) / source.gguf_file), config, kwargs["dtype"])
+    return AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
+
+
+def _import_modelling(config) -> None:
+    """Import the architecture's modelling module (transformers imports it lazily, in the middle of loading): code
+    is in memory before the weights, not counted among them. Remote code is left to from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) in mapping:
+        mapping[type(config)]
+
+
 def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
     """(model, tokenizer) loaded strictly; any failure is one line."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     # GGUF loading warns that packed weights compute in float32; here they are dequantised into plain
@@ -205,11 +225,9 @@ def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
         # that transient does not add to theirs.
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
         tokenizer = AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
+        _import_modelling(config)
         trim_heap()
-        if source.gguf_file and "device_map" not in kwargs:  # tensor by tensor (gguf_weights.py)
-            model, info = load_gguf_model(str(Path(source.path) / source.gguf_file), config, kwargs["dtype"])
-        else:
-            model, info = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
+        model, info = load_weights(source, config, kwargs)
         check_loading_info(spec, info)
         return model, tokenizer
     except UserError:
