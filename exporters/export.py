@@ -168,15 +168,16 @@ def _refuse_offloaded(offloaded: bool, files, formats) -> None:
 
 def _write_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, out: Path, max_shard_size: str, enc,
                        files, with_speed: bool, log) -> _ShippedModel:
-    """Reference logits first (the ablated original, or the healed model), then the files (streamed from the
-    source's safetensors when it can be), then the pruned model timed against the original while they share
+    """The files first (streamed from the source's safetensors when it can be), then the reference logits (the
+    ablated original, or the healed model: full-vocabulary float32 logits, 0.24x of a 0.5B bf16 model's weights,
+    so not held beside a shard being written), then the pruned model timed against the original while they share
     weights. The reload and its check come after the caller has let go of what it no longer needs."""
+    written = _write(lm, pruned, choice, out, max_shard_size, files)
     ids = sample_prompts(lm, enc).to(lm.device)
     if healing is not None:
         expected, precision = reference_logits(pruned, ids, lm.dtype)
     else:
         expected, precision = reference_logits(lm.model, ids, lm.dtype, lambda: ablate(lm, choice.plan))
-    written = _write(lm, pruned, choice, out, max_shard_size, files)
     if written["streamed"]:
         log(f"written from {len(set(files.values()))} source safetensors file(s) tensor by tensor: "
             f"{len(written['files'])} shard(s)")
