@@ -68,12 +68,13 @@ with open(sys.argv[1], "w") as f:
 
 
 def measure(args: list[str], label: str) -> dict:
-    marks_file = Path(tempfile.mkdtemp()) / "marks.json"
-    proc = subprocess.run([sys.executable, "-c", WRAPPER, str(marks_file), *args], capture_output=True, text=True)
-    if proc.returncode != 0 or not marks_file.is_file():
-        print(proc.stderr[-3000:])
-        raise SystemExit(f"{label} failed")
-    marks = json.loads(marks_file.read_text())
+    with tempfile.TemporaryDirectory(prefix="bench-memory-marks-") as tmp:
+        marks_file = Path(tmp) / "marks.json"
+        proc = subprocess.run([sys.executable, "-c", WRAPPER, str(marks_file), *args], capture_output=True, text=True)
+        if proc.returncode != 0 or not marks_file.is_file():
+            print(proc.stderr[-3000:])
+            raise SystemExit(f"{label} failed")
+        marks = json.loads(marks_file.read_text())
     if marks["code"]:
         print(proc.stderr[-3000:])
         raise SystemExit(f"{label} exited {marks['code']}")
@@ -112,13 +113,14 @@ def main() -> None:
     parser.add_argument("--skip-embedded", action="store_true")
     a = parser.parse_args()
     print(f"machine: {machine()}")
-    work = Path(tempfile.mkdtemp())
-    if not (a.skip_export and a.skip_main):
-        qwen2_runs(work, a)
-    if not a.skip_embedded:
-        embedded = measure(["--model", "smollm2-135m", "--out", str(work / "embedded"), "--no-progress"],
-                           "main command, embedded SmolLM2-135M (README)")
-        result("embedded_main_memory_ratio", round(embedded["ratio"], 3))
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:  # the 0.5B model and its exports: GBs
+        work = Path(tmp)
+        if not (a.skip_export and a.skip_main):
+            qwen2_runs(work, a)
+        if not a.skip_embedded:
+            embedded = measure(["--model", "smollm2-135m", "--out", str(work / "embedded"), "--no-progress"],
+                               "main command, embedded SmolLM2-135M (README)")
+            result("embedded_main_memory_ratio", round(embedded["ratio"], 3))
 
 
 def qwen2_runs(work: Path, a) -> None:
