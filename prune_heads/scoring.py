@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from . import attention_stats
 from .batching import text_batches
 from .heads import BASE_KEYS, ScoreTable
+from .heap import release_free
 from .models.loading import LoadedModel
 from .models.placement import live_weight
 
@@ -97,10 +98,7 @@ class _ScoringProbe:
             o_norm = o.norm(dim=-1)  # [B, S, H]
             # Each head's contribution to the residual stream, ||W_O^h o_i^h||, as sqrt(o^T G_h o) with the head's
             # Gram matrix G_h = W_O^h^T W_O^h ([D, D]): a D x D product per head instead of D x hidden.
-            gram = self._gram.get(layer)
-            if gram is None:
-                w = live_weight(o_proj).float().view(o_proj.out_features, geo.num_heads, geo.head_dim)  # [out, H, D]
-                gram = self._gram[layer] = torch.einsum("ohd,ohe->hde", w, w)  # [H, D, D]
+            gram = self._gram[layer]
             wo_sq = (torch.einsum("bshd,hde->bshe", o, gram) * o).sum(-1)
             wo_norm = wo_sq.clamp(min=0).sqrt()  # [B, S, H]
             last = (self.lengths - 1).clamp(min=0)
@@ -112,6 +110,14 @@ class _ScoringProbe:
             }
 
         return pre_hook
+
+    def _head_gram(self, layer: int, o_proj: torch.nn.Linear) -> torch.Tensor:
+        """``[H, D, D]``: each head's W_O^h^T W_O^h. Computed before the first pass, not inside it: a small tensor
+        kept from the middle of a pass would split a freed activation block, and the heap would grow by about one
+        activation per layer (~60 MiB on SmolLM2-135M)."""
+        geo = self.geometries[layer]
+        w = live_weight(o_proj).float().view(o_proj.out_features, geo.num_heads, geo.head_dim)  # [out, H, D]
+        return torch.einsum("ohd,ohe->hde", w, w)
 
     def _on_attention_stats(self, layer: int):
         def receiver(stats: attention_stats.AttentionStats) -> None:
@@ -148,6 +154,7 @@ class _ScoringProbe:
             attn = self.arch.attention(self.lm.model, layer)
             v_module, v_slice = self.arch.value_projection(attn)
             o_proj = self.arch.output_projection(attn)
+            self._gram[layer] = self._head_gram(layer, o_proj)
             self._handles += [
                 v_module.register_forward_hook(self._on_value(layer, v_slice)),
                 o_proj.register_forward_pre_hook(self._on_head_outputs(layer, o_proj)),
@@ -206,6 +213,7 @@ def score_heads(
             for row, i in enumerate(idx):
                 ids[row, : lengths[row]] = torch.tensor(list(sequences[i]), dtype=torch.long)
             base = probe.run(ids, lengths)
+            release_free()
             for key, value in derived_scores(base).items():
                 slots = per_input.setdefault(key, [None] * len(sequences))
                 for row, i in enumerate(idx):
