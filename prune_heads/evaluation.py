@@ -18,7 +18,6 @@ Three paths compute the same numbers:
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -30,8 +29,10 @@ from .ablation import HeadAblation, mask_for
 from .batching import pass_budget, text_batches
 from .data.tasks import LETTERS, TASKS, Question, TaskData
 from .heads import HeadSet
+from .heap import release_free
 from .models.loading import LoadedModel
 from .planning import PrunePlan
+from .prefix_cache import expanded, reservable, reserve
 
 
 def encode(lm: LoadedModel, text: str) -> list[int]:
@@ -317,35 +318,12 @@ def _shared_context_loglik(
         ids[c, : len(r)] = torch.tensor(r)
     if mask is not None:
         abl.set_mask(mask[None].expand(n, *mask.shape))
-    logits = lm.model(input_ids=ids.to(dev), cache=_expand_cache(cache, n), use_cache=True).logits  # [n, width, V]
+    logits = lm.model(input_ids=ids.to(dev), cache=expanded(cache, n), use_cache=True).logits  # [n, width, V]
     out = []
     for c, cont in enumerate(item.continuations):
         lp = _logprobs_at(logits[c, : len(cont)])
         out.append(float(lp[torch.arange(len(cont)), torch.tensor(cont)].sum()))
     return out
-
-
-def _expand_cache(cache, batch: int):
-    c = copy.deepcopy(cache)
-    if batch > 1:
-        c.batch_repeat_interleave(batch)
-    return c
-
-
-def _rewindable(cache) -> bool:
-    """Whether one row can run on the prefix cache itself and be cropped back after: every layer a full-attention
-    ``DynamicLayer`` (it extends by concatenating, so cropping restores the prefix exactly; a sliding-window layer
-    may have dropped prefix states)."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def _suffix_cache(cache, rows: int, rewind: bool):
-    """The cache one suffix pass runs on: the prefix cache itself (``rewind``, cropped back after the pass; no second
-    copy of a long prefix), else a copy with a row per question."""
-    return cache if rewind else _expand_cache(cache, rows)
 
 
 @torch.no_grad()
@@ -367,38 +345,49 @@ def _fast_subject(
         abl.set_mask(masks)
     cache = model(input_ids=torch.tensor([subject.prefix] * n, device=dev), use_cache=True, logits_to_keep=1).cache
     p = len(subject.prefix)
-    order = sorted(rows, key=lambda r: len(subject.items[r].context))
+    order = sorted(rows, key=lambda r: -len(subject.items[r].context))
+    longest = len(subject.items[order[0]].context) - p
     # Every row of a chunk holds its own copy of the prefix's KV cache: as many rows as the pass budget allows.
-    chunk_size = max(1, min(batch_size, pass_budget(lm).cached_rows(p, batch_size)) // n)
-    rewind = chunk_size == 1 and n == 1 and _rewindable(cache)
+    chunk_size = max(1, min(batch_size, pass_budget(lm).cached_rows(p + longest, batch_size)) // n)
+    reserved = reservable(cache)
+    if reserved:  # one buffer per layer for the whole subject; with n sets every chunk fills it (padded)
+        reserve(cache, n * min(chunk_size, len(order)), p + longest)
     out: list[dict[int, list[float]]] = [{} for _ in range(n)]
     for start in range(0, len(order), chunk_size):
         chunk = order[start : start + chunk_size]
-        c = len(chunk)
-        suffixes = [subject.items[r].context[p:] for r in chunk]
-        lengths = [len(x) for x in suffixes]
-        ids = torch.zeros(n * c, max(lengths), dtype=torch.long)
-        for s in range(n):
-            for q, x in enumerate(suffixes):
-                ids[s * c + q, : len(x)] = torch.tensor(x)
+        padded = chunk + chunk[-1:] * (min(chunk_size, len(order)) - len(chunk)) if reserved and n > 1 else chunk
+        ids, lengths = _suffix_ids(subject, padded, n, p)
         if masks is not None:
-            abl.set_mask(masks.repeat_interleave(c, dim=0))
+            abl.set_mask(masks.repeat_interleave(len(padded), dim=0))
         # Right padding needs no attention mask: under the causal mask, pads after a row's last real token
         # never reach it. Logits are computed only at the positions where some row ends.
         ends = sorted(set(m - 1 for m in lengths))
         logits = model(
             input_ids=ids.to(dev),
-            cache=_suffix_cache(cache, c, rewind),
+            cache=cache if reserved else expanded(cache, len(padded)),
             use_cache=True,
             logits_to_keep=torch.tensor(ends, device=dev),
         ).logits  # [n*c, len(ends), V]
-        if rewind:
+        if reserved:
             cache.crop(-ids.shape[1])
+        release_free()
         for s in range(n):
             for q, r in enumerate(chunk):
-                lp = _logprobs_at(logits[s * c + q, ends.index(lengths[q] - 1)])
+                lp = _logprobs_at(logits[s * len(padded) + q, ends.index(lengths[q] - 1)])
                 out[s][r] = [float(lp[t[0]]) for t in subject.items[r].continuations]
     return out
+
+
+def _suffix_ids(subject: EncodedSubject, chunk: Sequence[int], n: int, p: int) -> tuple[torch.Tensor, list[int]]:
+    """``[n * len(chunk), longest]`` right-padded question tokens after the prefix (set-major), and their lengths."""
+    suffixes = [subject.items[r].context[p:] for r in chunk]
+    lengths = [len(x) for x in suffixes]
+    c = len(chunk)
+    ids = torch.zeros(n * c, max(lengths), dtype=torch.long)
+    for s in range(n):
+        for q, x in enumerate(suffixes):
+            ids[s * c + q, : len(x)] = torch.tensor(x)
+    return ids, lengths
 
 
 class _NoAblation:

@@ -7,7 +7,7 @@ from tiny import tiny_model
 from prune_heads.data.mmlu import build_prompt, load_mmlu
 from prune_heads.data.tasks import Question, Subject
 from prune_heads.errors import UserError
-from prune_heads.evaluation import encode_task, evaluate, evaluate_reference, paired_delta
+from prune_heads.evaluation import encode_task, evaluate, evaluate_many, evaluate_reference, paired_delta
 from prune_heads.heads import HeadSet
 
 
@@ -152,24 +152,47 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
     assert [len(b) for b in split_blocks(one, 3)] == [3, 2, 2]
 
 
-@pytest.mark.parametrize("family,rewinds", [("llama", True), ("qwen2", True), ("gemma2", False)])
-def test_one_row_at_a_time_runs_on_the_prefix_cache_itself_with_the_same_numbers(tmp_path, family, rewinds,
-                                                                                  monkeypatch):
-    """One question per pass (a long prefix): the suffix runs on the prefix's own KV cache, cropped back after, not
-    on a second copy; bit for bit what a copy gives. A sliding-window cache (Gemma-2) may drop prefix states: copied."""
-    from transformers.cache_utils import DynamicCache
-
+@pytest.mark.parametrize("family,reserves", [("llama", True), ("qwen2", True), ("gemma2", False)])
+@pytest.mark.parametrize("batch_size", [1, 6])
+def test_question_passes_run_in_a_cache_reserved_once_per_subject_with_the_same_numbers(tmp_path, family, reserves,
+                                                                                        batch_size, monkeypatch):
+    """Each subject's prefix goes once into per-layer buffers sized for its widest chunk and longest question; every
+    pass writes in place and is cropped back (no cache allocated per pass, the buffers never move), with the numbers
+    of a fresh copy of the prefix per chunk, for one head set and for several in the same passes (the last chunk
+    padded). A sliding-window cache (Gemma-2) may drop prefix states: copied per chunk."""
     import prune_heads.evaluation as ev
+    from prune_heads.batching import PassBudget
+    from prune_heads.prefix_cache import ReservedLayer
 
     lm = tiny_model(family)
-    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=4))))
-    crops = []
-    real_crop = DynamicCache.crop
-    monkeypatch.setattr(DynamicCache, "crop", lambda self, n: (crops.append(n), real_crop(self, n))[1])
-    rewound = evaluate(lm, enc, HeadSet.of({0: [1, 2]}), batch_size=1, progress=False)
-    assert len(crops) == (len(enc) if rewinds else 0) and all(n < 0 for n in crops)
-    monkeypatch.setattr(ev, "_rewindable", lambda cache: False)
-    copied = evaluate(lm, enc, HeadSet.of({0: [1, 2]}), batch_size=1, progress=False)
-    assert torch.equal(rewound.loglik, copied.loglik)
-    ref = evaluate_reference(lm, enc, HeadSet.of({0: [1, 2]}))
-    assert torch.allclose(rewound.loglik, ref.loglik, atol=1e-4)
+    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=2, per_subject=9))))
+    assert [len(s.items) for s in enc.subjects] == [4, 4] and all(it.fast for it in enc.items)
+    monkeypatch.setattr(ev, "pass_budget", lambda lm: PassBudget(1 << 40, 1, 1, 1))  # chunks of batch_size rows
+    sets = [HeadSet.of({0: [1, 2]}), HeadSet.of({1: [0]})]
+    subjects, passes, real_reserve, real_update = [], [], ev.reserve, ReservedLayer.update
+
+    def update(self, k, v, *a, **kw):
+        keys, values = real_update(self, k, v, *a, **kw)
+        passes.append(keys.data_ptr() == self._keys.data_ptr() and values.data_ptr() == self._values.data_ptr())
+        return keys, values
+
+    monkeypatch.setattr(ev, "reserve", lambda cache, *a: (subjects.append(a), real_reserve(cache, *a))[1])
+    monkeypatch.setattr(ReservedLayer, "update", update)
+    layers = lm.config.num_hidden_layers
+    reserved = evaluate(lm, enc, sets[0], batch_size=batch_size, progress=False)
+    # Two subjects of four questions: one reservation each, every pass in place in its buffers.
+    assert len(subjects) == (2 if reserves else 0) and all(rows == min(batch_size, 4) for rows, _ in subjects)
+    assert passes == ([True] * 2 * -(-4 // batch_size) * layers if reserves else [])
+    subjects.clear(), passes.clear()
+    together = evaluate_many(lm, enc, sets, batch_size=batch_size, progress=False)  # chunks of batch_size // 2
+    chunk = max(1, batch_size // 2)
+    assert len(subjects) == (2 if reserves else 0) and all(rows == 2 * chunk for rows, _ in subjects)
+    assert passes == ([True] * 2 * -(-4 // chunk) * layers if reserves else [])
+    monkeypatch.setattr(ev, "reservable", lambda cache: False)
+    copied = evaluate(lm, enc, sets[0], batch_size=batch_size, progress=False)
+    assert torch.allclose(reserved.loglik, copied.loglik, atol=1e-5)
+    for hs, res in zip(sets, together):
+        assert torch.allclose(res.loglik, evaluate(lm, enc, hs, batch_size=batch_size, progress=False).loglik,
+                              atol=1e-5)
+    ref = evaluate_reference(lm, enc, sets[0])
+    assert torch.allclose(reserved.loglik, ref.loglik, atol=1e-4)
