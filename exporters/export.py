@@ -27,6 +27,7 @@ from prune_heads.errors import UserError
 from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
 from prune_heads.fileio import sha256_file, write_json, write_text
 from prune_heads.heads import HeadSet
+from prune_heads.heap import trim_heap
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel, dense_logits_input
 from prune_heads.models.placement import input_device, release_weights
@@ -34,13 +35,21 @@ from prune_heads.planning import LayoutChoice, Planner, planner_for
 from prune_heads.pruning import pruned_copy
 from prune_heads.readers import check_manifest, read_json
 from prune_heads.speed import measure_speed as measure
-from prune_heads.verify import bytes_per_value, check_logits, compare_models, reference_logits, sample_prompts
+from prune_heads.verify import (
+    SpilledLogits,
+    bytes_per_value,
+    check_logits,
+    compare_models,
+    reference_logits,
+    sample_prompts,
+)
 
 from .card import model_card
 from .gguf_export import export_gguf
 from .stream import stream_export, streamable
 
 MANIFEST = "prune_heads.json"
+REFERENCE_DIR = ".reference-logits"  # hidden: not part of the model, gone once the reload is checked
 TEMPLATE = Path(__file__).parent / "templates" / "modeling_pruned.py"
 
 
@@ -109,6 +118,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
                         healed=healing is not None) if "gguf" in formats else None)
     if "safetensors" in formats:
+        trim_heap()  # what the search left free goes back before the reference logits and the shards
         shipped = _write_safetensors(lm, pruned, healing, choice, out, max_shard_size, enc, files,
                                      measure_speed and pruned is not None, log)
         del pruned  # the last reference to the pruned copy (it shares the original's weights)
@@ -126,6 +136,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
         f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
         f"{verification['tolerance']:g})")
     reloaded = verification.pop("_model")
+    trim_heap()  # the logit check's float32 upcasts, before the task passes reuse the heap
     task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
     del reloaded
     meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
@@ -174,10 +185,11 @@ def _write_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, o
     weights. The reload and its check come after the caller has let go of what it no longer needs."""
     written = _write(lm, pruned, choice, out, max_shard_size, files)
     ids = sample_prompts(lm, enc).to(lm.device)
+    spilled = SpilledLogits(out / REFERENCE_DIR)  # on disk until the reload is checked (removed then)
     if healing is not None:
-        expected, precision = reference_logits(pruned, ids, lm.dtype)
+        expected, precision = reference_logits(pruned, ids, lm.dtype, into=spilled)
     else:
-        expected, precision = reference_logits(lm.model, ids, lm.dtype, lambda: ablate(lm, choice.plan))
+        expected, precision = reference_logits(lm.model, ids, lm.dtype, lambda: ablate(lm, choice.plan), into=spilled)
     if written["streamed"]:
         log(f"written from {len(set(files.values()))} source safetensors file(s) tensor by tensor: "
             f"{len(written['files'])} shard(s)")
@@ -195,6 +207,7 @@ def _check_reload(lm: LoadedModel, choice: LayoutChoice, out: Path, shipped: _Sh
     ids = reference["ids"]
     result = check_logits(reloaded, ids.to(input_device(reloaded)), reference["expected"], lm.dtype,
                           reference["precision"], f"the exported model in {out}")
+    shutil.rmtree(out / REFERENCE_DIR)
     result.update(prompts=int(ids.shape[0]), tokens_per_prompt=int(ids.shape[1]),
                   dtype=str(lm.dtype).replace("torch.", ""), streamed=reference["streamed"], source_released=released)
     result["_model"] = LoadedModel(reloaded, lm.tokenizer, adapter_for(reloaded.config.model_type), lm.source,

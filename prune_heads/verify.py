@@ -4,6 +4,8 @@ tolerance set by precision."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -129,19 +131,46 @@ def comparison_dtype(models: list[torch.nn.Module], dtype: torch.dtype, device: 
     return torch.float32 if free is not None and largest * (4 - bytes_per_value(dtype)) * 1.5 < free else dtype
 
 
+class SpilledLogits:
+    """Reference logits kept on disk, one file per prompt, read back one at a time: on a small model with a large
+    vocabulary they are a sizeable share of its weights (SmolLM2-135M: 4 prompts x 96 tokens x 49,152 float32 logits
+    = 72 MiB, 0.28x of its bf16 weights) and an export holds them from before its files are written until the
+    reload is checked."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.paths = directory, []
+
+    def append(self, logits: torch.Tensor) -> None:
+        path = self.directory / f"prompt-{len(self.paths)}.pt"
+        torch.save(logits, path)
+        self.paths.append(path)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.load(path) for path in self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
 @torch.no_grad()
 def reference_logits(reference: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype, reference_context=nullcontext,
-                     precision: torch.dtype | None = None) -> tuple[list[torch.Tensor], torch.dtype]:
+                     precision: torch.dtype | None = None, into: list | SpilledLogits | None = None
+                     ) -> tuple[list[torch.Tensor] | SpilledLogits, torch.dtype]:
     """``reference``'s float32 logits on each prompt (inside ``reference_context()``, e.g. an ablation), computed in
     float32 when one module's upcast fits, and the precision used. One prompt at a time: a batch of full-vocabulary
-    float32 logits is itself a sizeable share of a small model."""
+    float32 logits is itself a sizeable share of a small model. ``into``: where each prompt's logits go as they are
+    computed (a list by default, or :class:`SpilledLogits`)."""
     precision = precision or comparison_dtype([reference], dtype, ids.device)
+    out = [] if into is None else into
     with float32_parameters(reference, precision != dtype), reference_context():
-        return [reference(input_ids=row[None]).logits.float().cpu() for row in ids], precision
+        for row in ids:
+            out.append(reference(input_ids=row[None]).logits.float().cpu())
+    return out, precision
 
 
 @torch.no_grad()
-def check_logits(candidate: torch.nn.Module, ids: torch.Tensor, expected: list[torch.Tensor], dtype: torch.dtype,
+def check_logits(candidate: torch.nn.Module, ids: torch.Tensor, expected: Iterable[torch.Tensor], dtype: torch.dtype,
                  precision: torch.dtype, what: str) -> dict:
     """Check ``candidate`` reproduces ``expected`` (``reference_logits``) on ``ids`` within tolerance, else an error."""
     diff, largest, same = 0.0, 0.0, 0

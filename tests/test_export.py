@@ -289,3 +289,27 @@ def test_float32_comparison_never_upcasts_a_whole_vocabulary_matrix(family):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     assert embed.weight.shape[0] == vocab and embed.weight.dtype == torch.bfloat16  # given back as it was
     assert "forward" not in vars(head)  # the class's forward again
+
+
+def test_reference_logits_go_to_disk_come_back_equal_and_are_removed_once_the_reload_is_checked(tmp_path,
+                                                                                                monkeypatch):
+    """The export holds its reference logits (full vocabulary, float32) on disk from before its files are written
+    until the reload is checked, not in memory; read back they are the in-memory ones bit for bit."""
+    from exporters.export import REFERENCE_DIR
+    from prune_heads.verify import SpilledLogits, reference_logits, sample_prompts
+
+    lm = tiny_model("llama")
+    ids = sample_prompts(lm, None)
+    kept, precision = reference_logits(lm.model, ids, lm.dtype)
+    spilled, same = reference_logits(lm.model, ids, lm.dtype, into=SpilledLogits(tmp_path / "ref"))
+    assert same == precision and len(spilled) == len(kept) == ids.shape[0]
+    assert all(torch.equal(a, b) for a, b in zip(spilled, kept))
+    assert sorted(p.name for p in (tmp_path / "ref").iterdir()) == [f"prompt-{i}.pt" for i in range(len(kept))]
+    written, real_append = [], SpilledLogits.append
+    monkeypatch.setattr(SpilledLogits, "append", lambda self, t: (written.append(self.directory),
+                                                                  real_append(self, t))[1])
+    out = tmp_path / "export"
+    out.mkdir()
+    export_pruned(lm, UNEVEN, out, log=lambda *a: None, progress=False)
+    assert written == [out / REFERENCE_DIR] * ids.shape[0] and not (out / REFERENCE_DIR).exists()
+    assert read_manifest(out)["verified"]
