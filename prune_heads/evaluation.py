@@ -349,13 +349,13 @@ def _fast_subject(
     longest = len(subject.items[order[0]].context) - p
     # Every row of a chunk holds its own copy of the prefix's KV cache: as many rows as the pass budget allows.
     chunk_size = max(1, min(batch_size, pass_budget(lm).cached_rows(p + longest, batch_size)) // n)
-    reserved = reservable(cache)
+    widest, reserved = min(chunk_size, len(order)), reservable(cache)
     if reserved:  # one buffer per layer for the whole subject; with n sets every chunk fills it (padded)
-        reserve(cache, n * min(chunk_size, len(order)), p + longest)
+        reserve(cache, n * widest, p + longest)
     out: list[dict[int, list[float]]] = [{} for _ in range(n)]
     for start in range(0, len(order), chunk_size):
         chunk = order[start : start + chunk_size]
-        padded = chunk + chunk[-1:] * (min(chunk_size, len(order)) - len(chunk)) if reserved and n > 1 else chunk
+        padded = chunk + chunk[-1:] * (widest - len(chunk)) if reserved and n > 1 else chunk
         ids, lengths = _suffix_ids(subject, padded, n, p)
         if masks is not None:
             abl.set_mask(masks.repeat_interleave(len(padded), dim=0))
