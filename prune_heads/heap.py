@@ -3,6 +3,7 @@ memory is handed back. Nothing here imports torch (the CLI sets the policy befor
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 
@@ -17,16 +18,22 @@ HEAP_POLICY = {-3: 1 << 20, -1: 64 << 20}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 USER_HEAP_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (release_free runs after every pass); None where it is not glibc's."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def steady_heap() -> bool:
     """Set :data:`HEAP_POLICY` for this process (before any model is loaded); not where the user set malloc's
     thresholds themselves, nor where the C library is not glibc. Returns whether it was set."""
     if any(os.environ.get(name) for name in USER_HEAP_SETTINGS):
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    return all(mallopt(code, value) == 1 for code, value in HEAP_POLICY.items())
+    mallopt = getattr(_libc(), "mallopt", None)
+    return mallopt is not None and all(mallopt(code, value) == 1 for code, value in HEAP_POLICY.items())
 
 
 def release_free() -> None:
@@ -36,10 +43,9 @@ def release_free() -> None:
     the original model is released, all of its former place). Measured on SmolLM2-135M over the README's task
     passes: peak above the floor +136 -> +92 MiB trimming once per subject; the export's task passes on the reloaded
     model climbed +100 MiB within one long subject, hence every pass."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:  # not glibc: the allocator returns memory its own way
+        trim(0)
 
 
 def trim_heap() -> None:

@@ -30,9 +30,10 @@ class ReservedLayer(DynamicLayer):
         repeat = rows // batch
         self._keys = keys.new_empty(rows, heads, capacity, dim)
         self._values = values.new_empty(rows, values.shape[1], capacity, values.shape[-1])
-        # Row r of the buffer holds prefix row r // repeat (set-major, as batch_repeat_interleave lays it out).
-        self._keys[:, :, :length].copy_(keys.repeat_interleave(repeat, dim=0))
-        self._values[:, :, :length].copy_(values.repeat_interleave(repeat, dim=0))
+        # Row r of the buffer holds prefix row r // repeat (set-major, as batch_repeat_interleave lays it out),
+        # broadcast in place: no repeated copy of the prefix beside the buffer.
+        self._keys[:, :, :length].unflatten(0, (batch, repeat)).copy_(keys.unsqueeze(1))
+        self._values[:, :, :length].unflatten(0, (batch, repeat)).copy_(values.unsqueeze(1))
         self.device, self.is_initialized, self._length = keys.device, True, length
         self._show(rows)
 
