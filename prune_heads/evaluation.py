@@ -29,7 +29,7 @@ from .ablation import HeadAblation, mask_for
 from .batching import pass_budget, text_batches
 from .data.tasks import LETTERS, TASKS, Question, TaskData
 from .heads import HeadSet
-from .heap import release_free
+from .heap import release_free, released_after_each
 from .models.loading import LoadedModel
 from .planning import PrunePlan
 from .prefix_cache import expanded, reservable, reserve
@@ -339,10 +339,16 @@ def _fast_subject(
 
     ``masks`` None: one set, the ablation the caller has already set. ``masks`` [n, L, H]: n static head sets in
     the same passes (row ``s`` of the prefix batch carries set ``s``; question chunks are laid out set-major)."""
-    model, dev = lm.model, lm.device
     n = 1 if masks is None else masks.shape[0]
     if masks is not None:
         abl.set_mask(masks)
+    with released_after_each(lm.arch.decoder_layers(lm.model)):
+        return _subject_passes(lm, subject, rows, batch_size, n, abl, masks)
+
+
+def _subject_passes(lm, subject, rows, batch_size, n, abl, masks) -> list[dict[int, list[float]]]:
+    """``_fast_subject``'s passes: the prefix once (n rows), then the questions in chunks on its KV cache."""
+    model, dev = lm.model, lm.device
     cache = model(input_ids=torch.tensor([subject.prefix] * n, device=dev), use_cache=True, logits_to_keep=1).cache
     p = len(subject.prefix)
     order = sorted(rows, key=lambda r: -len(subject.items[r].context))

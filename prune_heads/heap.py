@@ -2,10 +2,12 @@
 memory is handed back. Nothing here imports torch (the CLI sets the policy before anything is loaded)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
 import os
+from typing import Iterable, Iterator
 
 # glibc's malloc serves a block from its heap unless it is at least the mmap threshold, and it raises that threshold
 # to the largest block freed so far (up to 32 MiB): after the first pass every activation of a forward pass comes
@@ -53,3 +55,20 @@ def trim_heap() -> None:
     ``malloc_trim`` what is allocated next (another model, a larger batch) would sit beside them in RSS."""
     gc.collect()
     release_free()
+
+
+@contextlib.contextmanager
+def released_after_each(modules: Iterable) -> Iterator[None]:
+    """Inside, :func:`release_free` runs after each forward of ``modules`` (torch modules: the decoder layers).
+
+    Once the original model is released its former place in the heap is free, and glibc serves every block that fits
+    from free heap space before it maps one (the mmap threshold only applies when the heap must grow): a long pass's
+    per-layer activations then land on ever new free pages, which stay resident until the pass ends. Measured on the
+    exported SmolLM2-135M's 1,481-token prefix pass: +103 MiB of RSS for 37 MiB of KV cache; handed back after every
+    layer, the README command's task passes peaked 463 -> 395 MiB above the baseline."""
+    handles = [module.register_forward_hook(lambda *_: release_free()) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -77,8 +77,11 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
         report = _prune_report(run, scores, calibration, verifier, selection, warnings)
         report["confirmation"] = confirmation
         report["resolution"] = resolution.to_json(full_task_size(run)) if resolution else None
-        _write_selection(run, scores, selection, report, verifier.baseline)
+        write_json(run.stage / "heads.json", selection.heads.to_json())
         export = _export(run, verifier, selection, report) if settings.export else None
+        # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
+        # never sit beside the reloaded weights, the run's memory peak.
+        _plot_selection(run, scores, selection, report, verifier.baseline)
         report["cache"] = run.work.cache.stats
         report["processes"] = ranks.size  # torchrun's ranks that shared the scoring and evaluations
         report["seconds"] = round(time.time() - started, 1)
@@ -127,9 +130,8 @@ def _prune_report(run: Run, scores, calibration, verifier: Verifier, selection: 
     return prune_report(run, scores, calibration, verifier, selection, gqa, warnings)
 
 
-def _write_selection(run: Run, scores: ScoreTable, selection: Selection, report: dict, baseline: EvalResult) -> None:
+def _plot_selection(run: Run, scores: ScoreTable, selection: Selection, report: dict, baseline: EvalResult) -> None:
     s, spec, stage = run.settings, run.lm.source.spec, run.stage
-    write_json(stage / "heads.json", selection.heads.to_json())
     plots.score_heatmap(scores.mean(s.scorer), s.scorer, selection.heads, stage / "scores_heatmap.png",
                         f"{spec}: {s.scorer} (red: {len(selection.heads)} removed heads)")
     plots.search_curve(report["points"], baseline.accuracy, s.budget.points, stage / "accuracy_vs_heads.png",

@@ -125,3 +125,21 @@ def test_the_heap_policy_is_set_unless_the_user_set_mallocs_thresholds(monkeypat
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert steady_heap() is False
     release_free(), trim_heap()
+
+
+def test_free_heap_pages_are_handed_back_after_each_layer_only_inside_the_context(monkeypatch):
+    """``released_after_each``: one ``release_free`` per forward of each module while inside, none after, and the
+    hooks gone (a task pass on the exported model runs inside it, layer by layer)."""
+    import torch
+
+    import prune_heads.heap as heap
+
+    calls = []
+    monkeypatch.setattr(heap, "release_free", lambda: calls.append(1))
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    with heap.released_after_each(layers):
+        want = layers(x)
+        assert len(calls) == 2
+    assert torch.equal(layers(x), want) and len(calls) == 2
+    assert all(not m._forward_hooks for m in layers)

@@ -62,3 +62,39 @@ def test_the_source_is_released_before_the_reload(tmp_path):
     assert v["source_released"] and v["streamed"] and v["max_abs_logit_diff"] <= v["tolerance"]
     assert all(p.device.type == "meta" for p in lm.model.parameters())  # gone before the reload came in
     assert result.speed and result.speed["prefill_speedup"] > 0  # timed while the pruned copy shared the weights
+
+
+def test_shards_copy_source_bytes_file_to_file_and_write_cast_tensors_beside_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from exporters.stream import ShardEntry, source_layout, write_safetensors
+
+    src = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.tensor(2.5), "d": torch.randn(4, 2).bfloat16()}
+    save_file(src, str(tmp_path / "src.safetensors"))
+    layout = source_layout(tmp_path / "src.safetensors")
+    assert {k: (e.dtype, e.shape) for k, e in layout.items()} == {
+        "a": ("F32", (3, 5)), "b": ("I64", (7,)), "c": ("F32", ()), "d": ("BF16", (4, 2))}
+    cast = torch.randn(2, 3).bfloat16()
+    entries = {"d": layout["d"], "x": ShardEntry("BF16", (2, 3), cast),
+               "a": layout["a"], "c": layout["c"], "b": layout["b"]}
+    write_safetensors(tmp_path / "out.safetensors", entries, {"format": "pt"})
+    got = load_file(str(tmp_path / "out.safetensors"))  # safetensors validates header, offsets and sizes
+    assert got.keys() == {"a", "b", "c", "d", "x"}
+    for k in src:
+        assert got[k].dtype == src[k].dtype and torch.equal(got[k], src[k]), k
+    assert torch.equal(got["x"], cast)
+    with safe_open(str(tmp_path / "out.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_a_streamed_export_in_another_dtype_casts_what_it_cannot_copy(tmp_path):
+    lm = _source(tmp_path, "llama")  # float32 files
+    bf16 = load_model(str(tmp_path / "src"), "bfloat16", "cpu")
+    memory = dataclasses.replace(bf16, source=dataclasses.replace(bf16.source, kind="embedded"))
+    a, b = tmp_path / "stream", tmp_path / "memory"
+    a.mkdir(), b.mkdir()
+    streamed = export_pruned(bf16, EVEN, a, "uniform", "100KB", log=lambda *x: None, progress=False)
+    export_pruned(memory, EVEN, b, "uniform", "100KB", log=lambda *x: None, progress=False)
+    assert streamed.verification["streamed"] and lm.dtype == torch.float32
+    x, y = _tensors(a), _tensors(b)
+    assert x.keys() == y.keys() and all(x[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x)
