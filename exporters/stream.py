@@ -14,6 +14,7 @@ filled from the source tensors and sliced by the same code that prunes a model i
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -79,7 +80,7 @@ def streamable(lm: LoadedModel) -> dict[str, Path] | None:
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL"}
-COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
+COPY_CHUNK = 16 << 20  # bytes per copy (and the buffer where the kernel cannot copy)
 
 
 @dataclass(frozen=True)
@@ -137,15 +138,28 @@ def write_safetensors(path: Path, entries: dict[str, ShardEntry], metadata: dict
 
 
 def _copy_span(span: SourceSpan, out) -> None:
+    """``span``'s bytes appended to ``out``: by ``copy_file_range`` where the system has it for these two files,
+    else through one bounded buffer (other systems, or file systems the kernel will not copy between)."""
     out.flush()
+    done = 0
     with open(span.path, "rb") as src:
-        done = 0
+        copy = getattr(os, "copy_file_range", None)
+        try:
+            while copy is not None and done < span.nbytes:
+                n = copy(src.fileno(), out.fileno(), min(COPY_CHUNK, span.nbytes - done), span.start + done)
+                if n <= 0:
+                    raise EOFError(f"{span.path}: the source ended {span.nbytes - done} bytes early")
+                done += n
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
+                raise
+        src.seek(span.start + done)
         while done < span.nbytes:
-            n = os.copy_file_range(src.fileno(), out.fileno(), min(COPY_CHUNK, span.nbytes - done),
-                                   span.start + done)
-            if n <= 0:
-                raise OSError(f"{span.path}: the source ended {span.nbytes - done} bytes early")
-            done += n
+            block = src.read(min(COPY_CHUNK, span.nbytes - done))
+            if not block:
+                raise EOFError(f"{span.path}: the source ended {span.nbytes - done} bytes early")
+            out.write(block)
+            done += len(block)
 
 
 class _Shards:

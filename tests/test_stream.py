@@ -98,3 +98,30 @@ def test_a_streamed_export_in_another_dtype_casts_what_it_cannot_copy(tmp_path):
     assert streamed.verification["streamed"] and lm.dtype == torch.float32
     x, y = _tensors(a), _tensors(b)
     assert x.keys() == y.keys() and all(x[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x)
+
+
+def test_spans_are_copied_through_a_buffer_where_the_kernel_cannot_copy(tmp_path, monkeypatch):
+    """Without ``copy_file_range`` (other systems) or where it refuses the pair of files, the same file results."""
+    import errno
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    import exporters.stream as stream
+
+    src = {"a": torch.randn(64, 33), "b": torch.randn(5).bfloat16()}
+    save_file(src, str(tmp_path / "src.safetensors"))
+    layout = stream.source_layout(tmp_path / "src.safetensors")
+    monkeypatch.setattr(stream, "COPY_CHUNK", 1000)  # several blocks per tensor
+
+    def refuse(*a):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    for name, copy in (("absent", None), ("refused", refuse)):
+        if copy is None:
+            monkeypatch.delattr(os, "copy_file_range", raising=False)
+        else:
+            monkeypatch.setattr(os, "copy_file_range", copy, raising=False)
+        stream.write_safetensors(tmp_path / f"{name}.safetensors", layout, {"format": "pt"})
+        got = load_file(str(tmp_path / f"{name}.safetensors"))
+        assert all(torch.equal(got[k], src[k]) for k in src), name
