@@ -110,6 +110,8 @@ def source_layout(path: Path) -> dict[str, ShardEntry]:
     """Every tensor of a safetensors file as a :class:`ShardEntry` of its bytes' span in the file (header only read)."""
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"{path}: not a safetensors file (header of {length} bytes); re-download the checkpoint")
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     start = 8 + length
@@ -170,10 +172,9 @@ class _Shards:
         self.pending: dict[str, ShardEntry] = {}
         self.size, self.written, self.parameters = 0, [], 0
 
-    def add(self, name: str, data: "torch.Tensor | ShardEntry") -> None:
-        if not isinstance(data, ShardEntry):
-            data = ShardEntry(SAFETENSORS_DTYPES[data.dtype], tuple(data.shape), data)
-        entry = data
+    def add(self, name: str, entry: "torch.Tensor | ShardEntry") -> None:
+        if not isinstance(entry, ShardEntry):  # a tensor in memory (cast, or a pruned attention's)
+            entry = ShardEntry(SAFETENSORS_DTYPES[entry.dtype], tuple(entry.shape), entry)
         if self.pending and self.size + entry.nbytes > self.limit:
             self.flush()
         self.pending[name] = entry

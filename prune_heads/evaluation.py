@@ -342,7 +342,8 @@ def _fast_subject(
     n = 1 if masks is None else masks.shape[0]
     if masks is not None:
         abl.set_mask(masks)
-    with released_after_each(lm.arch.decoder_layers(lm.model)):
+    # Activations in host memory only: on an accelerator the C heap holds none of them.
+    with released_after_each(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()):
         return _subject_passes(lm, subject, rows, batch_size, n, abl, masks)
 
 
