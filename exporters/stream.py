@@ -53,8 +53,7 @@ def weight_map(directory: Path) -> dict[str, Path] | None:
         index = json.loads((directory / INDEX).read_text())["weight_map"]
         return {name: directory / file for name, file in index.items()}
     if (directory / SINGLE).is_file():
-        with safe_open(str(directory / SINGLE), "pt") as f:
-            return {name: directory / SINGLE for name in f.keys()}
+        return dict.fromkeys(source_layout(directory / SINGLE), directory / SINGLE)
     return None
 
 
