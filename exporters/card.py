@@ -26,7 +26,7 @@ def _summary_table(meta: dict) -> list[str]:
         "|---|---|---|",
         f"| query heads | {before['query_heads']} | {after['query_heads']} |",
         f"| KV heads | {before['kv_heads']} | {after['kv_heads']} |",
-        f"| parameters | {before['parameters']:,} | {after['parameters']:,} |",
+        f"| parameters{_tied_note(meta)} | {before['parameters']:,} | {after['parameters']:,} |",
         f"| KV cache per token | {before['kv_cache_bytes_per_token']:,} B | {after['kv_cache_bytes_per_token']:,} B |",
     ]
     speed = meta.get("speed") or {}
@@ -107,16 +107,42 @@ def _how_to_load(meta: dict) -> list[str]:
     return lines + _gguf_section(meta)
 
 
+def _tied_note(meta: dict) -> str:
+    return " (the embedding is tied to the LM head: counted once)" if meta["stats"].get("tied_embeddings") else ""
+
+
+def _title(meta: dict, base: str) -> str:
+    """What the weights lose: query heads and parameters, or that the heads were only silenced."""
+    stats = meta["stats"]
+    removed = stats.get("removed") or {}
+    if stats.get("padded_to_original_shape"):
+        return (f"# {base}, {stats['heads_silenced']} attention heads silenced (padded to the original shape: no "
+                "parameters removed)")
+    heads, parameters = removed.get("query_heads", 0), removed.get("parameters", 0)
+    return f"# {base}, {heads} query heads and {parameters:,} parameters removed"
+
+
+def _provenance(meta: dict) -> str:
+    """Where the heads came from and how the export was verified."""
+    checked = "logits of the reloaded export against the ablated original" + (
+        f", and {meta.get('task') or 'the task'} on the reloaded export" if meta.get("task_eval") else "")
+    source = meta.get("heads_file")
+    if source:
+        return (f"the heads listed in `{source['name']}` (sha256 `{source['sha256'][:16]}`), removed as given (no "
+                f"budget search); verified: {checked}")
+    return (f"heads ranked by `{meta['scorer']}`, the largest set within a budget of {meta['budget']} verified"
+            + (f" ({meta['budget_definition']})" if meta.get("budget_definition") else "")
+            + f"; then checked: {checked}")
+
+
 def model_card(meta: dict) -> str:
     src = meta["source_model"]
     base = src.get("hub_id") or src.get("spec")
     v, heal = meta["verification"], meta.get("healing")
     lines = _front(meta) + [
-        f"# {base}, {meta['heads_removed']} attention heads removed", "",
+        _title(meta, base), "",
         f"Pruned with [prune-heads](https://github.com/prune-heads/prune-heads) {meta['prune_heads_version']}: "
-        f"heads ranked by `{meta['scorer']}`, the largest set within a budget of {meta['budget']} verified"
-        + (f" ({meta['budget_definition']})" if meta.get("budget_definition") else "")
-        + ", then their q/k/v rows and o_proj columns removed.", ""]
+        f"{_provenance(meta)}. The removed heads' q/k/v rows and o_proj columns are cut from the weights.", ""]
     lines += _summary_table(meta)
     lines += ["", f"Layout: **{meta['layout']}** ({meta['layout_reason']}).", ""]
     if heal:

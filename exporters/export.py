@@ -23,6 +23,7 @@ import torch
 
 from prune_heads import __version__
 from prune_heads.ablation import ablate
+from prune_heads.counting import checkpoint_parameters, is_tied, model_parameters
 from prune_heads.errors import UserError
 from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
 from prune_heads.fileio import sha256_file, write_json, write_text
@@ -161,7 +162,7 @@ class _ShippedModel:
 
 
 def _parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    return model_parameters(model)
 
 
 def _refuse_offloaded(offloaded: bool, files, formats) -> None:
@@ -194,8 +195,11 @@ def _write_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, o
         log(f"written from {len(set(files.values()))} source safetensors file(s) tensor by tensor: "
             f"{len(written['files'])} shard(s)")
     speed = _speed(lm, pruned, log) if with_speed else None
-    parameters = _parameters(pruned) if pruned is not None else written["parameters"]
-    return _ShippedModel({}, speed, parameters, written.get("source_parameters"),
+    # What the files hold, counted as the loaded model has it (a tied LM head once): the one count of the card,
+    # the manifest and the report.
+    parameters = checkpoint_parameters(sorted(out.glob("*.safetensors")), lm.config)
+    source = checkpoint_parameters(sorted(set(files.values())), lm.config) if files is not None else None
+    return _ShippedModel({}, speed, parameters, source,
                          {"ids": ids, "expected": expected, "precision": precision, "streamed": written["streamed"]})
 
 
@@ -363,15 +367,20 @@ def _evaluate_export(reloaded: LoadedModel, out: Path, check: ExportCheck, heali
 
 def export_stats(lm: LoadedModel, parameters: int, choice: LayoutChoice, heads: HeadSet,
                  source_parameters: int | None = None) -> dict:
-    """Parameters, heads and KV cache before and after (``parameters``: the pruned model's)."""
+    """Parameters, heads and KV cache before and after as the files hold them (``parameters``: the export's, a
+    tied LM head counted once), what the weights lose, and whether the export was padded back to the original shape
+    (masked, or uniform padding every layer back): then the heads are silenced, not removed."""
     geometries = lm.arch.geometries(lm.model)
     head_dim = lm.arch.head_dim(lm.config)
     shapes = [(g.num_heads, g.num_kv_heads) for g in geometries]
     before = model_stats(source_parameters or _parameters(lm.model), shapes, head_dim, lm.dtype)
-    after = model_stats(parameters, choice.plan.shapes, head_dim, lm.dtype)
-    if choice.layout == "masked":
-        after["query_heads"] = before["query_heads"] - len(heads)
-    return {"before": before, "after": after}
+    after = model_stats(parameters, shapes if choice.layout == "masked" else choice.plan.shapes, head_dim, lm.dtype)
+    removed = {"query_heads": before["query_heads"] - after["query_heads"],
+               "kv_heads": before["kv_heads"] - after["kv_heads"],
+               "parameters": before["parameters"] - after["parameters"]}
+    return {"before": before, "after": after, "removed": removed, "heads_silenced": len(heads),
+            "padded_to_original_shape": bool(heads) and removed["parameters"] == 0,
+            "tied_embeddings": is_tied(lm.config)}
 
 
 def _manifest(lm, heads, choice, stats, verification, task_eval, healing, info: dict, enc) -> dict:
@@ -382,6 +391,7 @@ def _manifest(lm, heads, choice, stats, verification, task_eval, healing, info: 
         "source_model": {**lm.source.to_json(), **({"hub_id": lm.source.spec} if lm.source.kind == "hub" else {})},
         "removed_heads": heads.to_json(),
         "heads_removed": len(heads),
+        "heads_file": info.get("heads_file"),  # prune-heads export: the given heads' file (name, sha256)
         "scorer": info.get("scorer"),
         "budget": info.get("budget"),
         "budget_definition": info.get("budget_definition"),

@@ -22,8 +22,8 @@ class HeadGeometry:
 
     @property
     def group_size(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads
+        """Query heads per KV head (grouped-query attention); 0 for a layer without attention."""
+        return self.num_heads // self.num_kv_heads if self.num_kv_heads else 0
 
     def kv_head_of(self, head: int) -> int:
         return head // self.group_size

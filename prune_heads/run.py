@@ -156,7 +156,7 @@ def verifier_for(run: Run) -> Verifier:
     s = run.settings
     kl_seqs, kl_source = kl_text_sequences(run.lm, s, run.inputs)
     heal, heal_key = healer(run)
-    return Verifier(run.work, run.planner, run.enc, s.budget, s.layout if s.export else "masked", kl_seqs,
+    return Verifier(run.work, run.planner, run.enc, s.budget, s.layout, kl_seqs,
                     kl_source, s.early_stop_blocks, heal, heal_key, s.heal_in_search, log=echo)
 
 

@@ -206,9 +206,12 @@ def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResu
 
 
 def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, force: bool,
-               with_task: bool = True) -> ExportResult:
-    """``prune-heads export``: a given head set, no search. Verifies logits, and the task unless ``with_task`` is
-    off."""
+               with_task: bool = True, heads_file: str | Path | None = None) -> ExportResult:
+    """``prune-heads export``: a given head set (read from ``heads_file``, named in the card with its hash), no
+    search. Verifies logits, and the task unless ``with_task`` is off."""
+    from prune_heads.fileio import sha256_file
+
+    source = {"name": Path(heads_file).name, "sha256": sha256_file(heads_file)} if heads_file else None
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths) as staged:
         run = open_run(settings, inputs, staged, encode=with_task)
         geometries = run.lm.arch.geometries(run.lm.model)
@@ -220,7 +223,7 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
             check = ExportCheck(run.enc, verifier.baseline, verifier.evaluate_ablation(heads),
                                 run.work.exported_evaluator(run.enc), settings.batch_size)
         result = export_pruned(run.lm, heads, staged.path, settings.layout, settings.max_shard_size, check=check,
-                               info={"scorer": None, "budget": None, "warnings": warnings}, progress=settings.progress,
+                               info={"heads_file": source, "warnings": warnings}, progress=settings.progress,
                                log=echo, planner=run.planner, **_formats(settings), **_shipping(run))
         write_json(staged.path / "heads.json", heads.to_json())
     echo(f"exported {len(heads)} removed heads ({result.choice.layout} layout): {out}", fg="green")

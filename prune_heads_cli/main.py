@@ -305,7 +305,7 @@ def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, no_
     settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size, export_format=export_format,
                                gguf_type=gguf_type)
     check_heads(heads, inputs.config)
-    run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval)
+    run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval, heads_file)
 
 
 @cli.command()

@@ -45,7 +45,10 @@ class ArchAdapter:
         return attn.o_proj
 
     def geometry(self, model: nn.Module, layer: int) -> HeadGeometry:
+        """The layer's head counts; a layer whose attention was removed (``SkippedAttention``) has none."""
         attn = self.attention(model, layer)
+        if isinstance(attn, SkippedAttention) or not hasattr(attn, "head_dim"):
+            return HeadGeometry(0, 0, self.head_dim(model.config))
         head_dim = int(attn.head_dim)
         num_heads = self.output_projection(attn).in_features // head_dim
         num_kv = self._kv_out_features(attn) // head_dim
@@ -94,7 +97,7 @@ class ArchAdapter:
 
     def remove_attention(self, model: nn.Module, layer: int) -> None:
         """A layer that keeps no heads: its attention adds nothing to the residual stream."""
-        self.decoder_layers(model)[layer].self_attn = SkippedAttention()
+        self.decoder_layers(model)[layer].self_attn = SkippedAttention(layer)
 
     # -- LoRA adapters (peft) ---------------------------------------------------------------------------
 
@@ -189,9 +192,21 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": 
 
 
 class SkippedAttention(nn.Module):
-    """A layer whose heads were all removed: attention adds nothing to the residual stream (no parameters)."""
+    """A layer whose heads were all removed: attention adds nothing to the residual stream (no parameters).
+
+    With a KV cache it still records how many tokens it has seen, in one zero of width 1 per token (transformers
+    reads the cache's length from layer 0, which may be this one), so positions stay right during generation."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
 
     def forward(self, hidden_states, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # "past_key_values" before transformers 5.25
+        if cache is not None:
+            batch, length = hidden_states.shape[:2]
+            seen = hidden_states.new_zeros(batch, 1, length, 1)  # [B, 1, S, 1]
+            cache.update(seen, seen, self.layer_idx)
         return torch.zeros_like(hidden_states), None
 
 
