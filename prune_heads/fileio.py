@@ -88,41 +88,65 @@ class StagedDirectory:
 
     current: "StagedDirectory | None" = None
 
-    def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False, inputs: tuple | list = ()):
-        import fcntl
-
+    def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False, inputs: tuple | list = (),
+                 identity: dict | None = None):
         self.out = Path(out)
-        check_out(self.out, force, resume, inputs)
+        identity = json.loads(json.dumps(identity, default=str)) if identity else None  # as it reads back
+        check_out(self.out, force, resume, inputs, identity)
         self.path = self.out.parent / f".{self.out.name}.partial"
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.resumed = self.path.is_dir() and any((self.path / "cache").glob("*.safetensors"))
             self.path.mkdir(exist_ok=True)
-            (self.path / MARKER).write_text("written by prune-heads\n")
         except OSError as e:
             raise UserError(f"--out {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
                             "directory you can write to") from None
-        self._lock = open(self.path / ".lock", "w")
+        self._lock = _locked(self.path, self.out)
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise UserError(f"another prune-heads run is writing {self.out} (lock held on {self.path}); wait for it "
-                            "or choose another --out") from None
+            self._claim(force, identity)
+            self.resumed = any(self.cache_dir.glob("*.safetensors"))
+            write_text(self.path / MARKER, json.dumps({"written_by": "prune-heads", "run": identity}) + "\n")
+        except BaseException as e:
+            self._release()
+            if not any(self.path.iterdir()):
+                self.path.rmdir()
+            if isinstance(e, OSError):
+                raise UserError(f"--out {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
+                                "directory you can write to") from None
+            raise
         previous = self.out / "cache"
-        if resume and previous.is_dir():
-            (self.path / "cache").mkdir(exist_ok=True)
-            for f in previous.glob("*.safetensors"):
-                target = self.path / "cache" / f.name
-                if not target.exists():
-                    try:
-                        os.link(f, target)
-                    except OSError:
-                        import shutil
-
-                        shutil.copy2(f, target)
-            self.resumed = True
+        if previous.is_dir() and (resume or (force and same_model(read_identity(self.out), identity))):
+            self._link_cache(previous)  # entries are keyed by everything they depend on: safe to reuse
         StagedDirectory.current = self
+
+    def _claim(self, force: bool, identity: dict | None) -> None:
+        """Continue the unfinished work in the staging directory only if it is this run's; --force discards another
+        run's (keeping the cache of the same model: its entries are keyed by everything they depend on)."""
+        import shutil
+
+        previous = read_identity(self.path)
+        why = identity_difference(previous, identity)
+        if why is None:
+            return
+        if not force:
+            raise UserError(f"--out {self.out} is not empty: {self.path} holds the unfinished work of another run "
+                            f"({why}); rerun that command to finish it, or pass --force to discard it")
+        keep = {".lock", "cache"} if same_model(previous, identity) else {".lock"}
+        for f in self.path.iterdir():
+            if f.name not in keep:
+                shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
+
+    def _link_cache(self, previous: Path) -> None:
+        import shutil
+
+        self.cache_dir.mkdir(exist_ok=True)
+        for f in previous.glob("*.safetensors"):
+            target = self.cache_dir / f.name
+            if not target.exists():
+                try:
+                    os.link(f, target)
+                except OSError:
+                    shutil.copy2(f, target)
+        self.resumed = True
 
     @property
     def cache_dir(self) -> Path:
@@ -178,7 +202,8 @@ class StagedDirectory:
             self.keep_for_resume()
 
 
-MARKER = ".prune-heads"  # in every directory prune-heads writes: what --resume may continue and replace
+MARKER = ".prune-heads"  # in every directory prune-heads writes: what --resume may continue and replace (JSON: the
+# identity of the run that wrote it: command, model source and hash, the settings that define its results)
 MANIFEST_NAME = "prune_heads.json"
 
 
@@ -199,7 +224,48 @@ def is_ours(out: Path) -> bool:
     return (out / MARKER).is_file() or (out / MANIFEST_NAME).is_file()
 
 
-def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list = ()) -> None:
+def _locked(path: Path, out: Path):
+    import fcntl
+
+    lock = open(path / ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise UserError(f"another prune-heads run is writing {out} (lock held on {path}); wait for it or choose "
+                        "another --out") from None
+    return lock
+
+
+def read_identity(directory: Path) -> dict | None:
+    """The identity of the run that wrote ``directory`` (None: none recorded, or a marker of an older version)."""
+    try:
+        data = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("run") if isinstance(data, dict) and isinstance(data.get("run"), dict) else None
+
+
+def same_model(a: dict | None, b: dict | None) -> bool:
+    return a is not None and b is not None and a.get("model") == b.get("model")
+
+
+def identity_difference(old: dict | None, new: dict | None) -> str | None:
+    """How the run that wrote a directory differs from this one, in words (None: the same run, or unknown)."""
+    if old is None or new is None or old == new:
+        return None
+    if old.get("command") != new.get("command"):
+        return f"written by prune-heads {old.get('command')}, not {new.get('command')}"
+    if old.get("model") != new.get("model"):
+        m = old.get("model") or {}
+        return f"model {m.get('path')} with weights sha256 {str(m.get('fingerprint'))[:12]}..."
+    before, after = old.get("settings") or {}, new.get("settings") or {}
+    keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    return "other settings: " + ", ".join(f"{k} {before.get(k)!r} there, {after.get(k)!r} now" for k in keys[:3])
+
+
+def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list = (),
+              identity: dict | None = None) -> None:
     """The one rule for --out: never delete or replace what prune-heads did not write unless --force, never an input
     even with --force; --resume continues only a run of ours."""
     for path in inputs:
@@ -212,6 +278,10 @@ def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list
     if not out.is_dir() or not any(out.iterdir()) or force:
         return
     if resume and is_ours(out):
+        why = identity_difference(read_identity(out), identity)
+        if why:
+            raise UserError(f"--out {out} is not empty: it holds the results of another run ({why}), so --resume "
+                            "cannot continue it; choose another --out, or pass --force to replace it")
         return
     if resume:
         raise UserError(f"--out {out} is not empty and was not written by prune-heads, so there is nothing to "

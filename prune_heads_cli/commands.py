@@ -42,6 +42,17 @@ from prune_heads.settings import Settings
 from prune_heads.verifier import Verifier
 from prune_heads.work import Work
 
+
+def run_identity(command: str, settings: Settings, inputs: Inputs, **extra) -> dict:
+    """What defines a run's results (recorded in its --out; --resume continues only the same): the command, the
+    model source and its content hash, the settings (all but how it is shown and resumed), and ``extra``."""
+    src = inputs.source
+    model = {"path": src.path, "file": src.gguf_file, "revision": src.revision, "fingerprint": src.fingerprint}
+    shown = ("model", "progress", "resume")
+    return {"command": command, "model": model,
+            "settings": {k: v for k, v in settings.to_json().items() if k not in shown}, **extra}
+
+
 # -- prune-heads (the main job) -----------------------------------------------------------------------------------
 
 
@@ -61,7 +72,8 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
     into place only once the export has been reloaded and verified. Under torchrun every rank shares the scoring and
     evaluations up to the decision; rank 0 then writes and exports alone, and the others return None."""
     started = time.time()
-    staged = ranks.agree(lambda: StagedDirectory(out, force, settings.resume, inputs=inputs.paths))
+    staged = ranks.agree(lambda: StagedDirectory(out, force, settings.resume, inputs=inputs.paths,
+                                                        identity=run_identity("prune", settings, inputs)))
     with staged or contextlib.nullcontext():
         run = open_run(settings, inputs, staged, ranks=ranks)
         echo(describe(run))
@@ -212,7 +224,8 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
     from prune_heads.fileio import sha256_file
 
     source = {"name": Path(heads_file).name, "sha256": sha256_file(heads_file)} if heads_file else None
-    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths) as staged:
+    identity = run_identity("export", settings, inputs, heads=heads.to_json(), with_task=with_task)
+    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged, encode=with_task)
         geometries = run.lm.arch.geometries(run.lm.model)
         heads.validate(len(geometries), [g.num_heads for g in geometries])
@@ -235,7 +248,8 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
 
 def run_score(settings: Settings, inputs: Inputs, out: Path, force: bool) -> dict:
     """``prune-heads score``: every score function on every head; scores.json."""
-    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths) as staged:
+    identity = run_identity("score", settings, inputs)
+    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged, encode=inputs.calibration is None)
         table, calibration = score(run)
         payload = {"model": run.lm.source.to_json(), "recipe": settings.recipe.to_json(),
@@ -248,7 +262,8 @@ def run_score(settings: Settings, inputs: Inputs, out: Path, force: bool) -> dic
 
 def run_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: HeadSet | None) -> EvalResult:
     """``prune-heads eval``: the task, optionally with heads ablated; TASK.jsonl and summary.json."""
-    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths) as staged:
+    identity = run_identity("eval", settings, inputs, heads=heads.to_json() if heads else None)
+    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged)
         result = run.work.evaluate(run.enc, heads, label="ablated" if heads else "")
         data = inputs.questions
@@ -315,7 +330,8 @@ def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, functi
     the largest % of heads within budget, the normalised AUC, and the ranking (study.py)."""
     from prune_heads.study import run_study as study_curves
 
-    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths) as staged:
+    identity = run_identity("study", settings, inputs, functions=functions, percents=list(percents), modes=modes)
+    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged)
         echo(f"study of {run.lm.source.spec} on {settings.task} ({len(run.enc)} questions): {len(functions)} "
              f"functions x {len(percents)} percents, modes {', '.join(modes)}")

@@ -133,6 +133,10 @@ def test_a_changed_setting_recomputes_only_what_it_affects(setup, reference, tmp
     first = json.loads((out / "report.json").read_text())
     a = args(setup, out, "--resume")
     a[a.index("--budget") + 1] = "0.5pt"  # a tighter budget: new search points, same scores and baseline
+    code, _, err = finished(cli(a))  # --resume continues only the same run: refused, nothing touched
+    assert code == 2 and "holds the results of another run (other settings: budget '5pt' there, '0.5pt' now)" in err
+    assert json.loads((out / "report.json").read_text()) == first
+    a[a.index("--resume")] = "--force"  # replaced, reusing the cache of the same model
     code, _, err = finished(cli(a))
     assert code == 0, err
     second = json.loads((out / "report.json").read_text())
