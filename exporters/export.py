@@ -11,7 +11,6 @@ evaluate the task on the reloaded model -> card and manifest.
 from __future__ import annotations
 
 import datetime
-import errno
 import hashlib
 import json
 import shutil
@@ -24,6 +23,7 @@ import torch
 from prune_heads import __version__
 from prune_heads.ablation import ablate
 from prune_heads.counting import checkpoint_parameters, is_tied, model_parameters
+from prune_heads.diskspace import GGUF_BYTES_PER_VALUE, check_space, disk_full_reported
 from prune_heads.errors import UserError
 from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
 from prune_heads.fileio import sha256_file, write_json, write_text
@@ -86,12 +86,23 @@ def model_stats(parameters: int, shapes: list[tuple[int, int]], head_dim: int, d
     }
 
 
-def _check_disk(out: Path, model) -> None:
-    need = sum(p.numel() * p.element_size() for p in model.parameters())
-    free = shutil.disk_usage(out).free
-    if free < need * 1.05 + (64 << 20):
-        raise UserError(f"not enough disk space in {out}: the export needs about {need / 2**30:.2f} GiB, "
-                        f"{free / 2**30:.2f} GiB are free; free some space or choose another --out")
+def export_bytes(lm: LoadedModel, choice: LayoutChoice, formats: tuple[str, ...], gguf_type: str, files=None,
+                 prompts: int = 4 * 96) -> int:
+    """The bytes the export writes at its peak: the pruned weights in the export's dtype (a tied LM head once, unless
+    the streamed source stores it too), the reference logits spilled until the reload is checked (float32, full
+    vocabulary, ``prompts`` token positions), and the GGUF when asked. Tokenizer, config and card: the margin."""
+    hidden, geometries = lm.config.hidden_size, lm.arch.geometries(lm.model)
+    attention = sum(hidden * g.head_dim * (2 * g.num_heads + 2 * g.num_kv_heads) for g in geometries)
+    kept = attention if choice.layout == "masked" else choice.plan.attention_params(hidden)
+    weights = model_parameters(lm.model) - (attention - kept)
+    if files is not None and is_tied(lm.config) and "lm_head.weight" in files:
+        weights += lm.config.vocab_size * hidden
+    total = 0
+    if "safetensors" in formats:
+        total += weights * bytes_per_value(lm.dtype) + prompts * lm.config.vocab_size * 4
+    if "gguf" in formats:
+        total += int(weights * GGUF_BYTES_PER_VALUE[gguf_type])
+    return total
 
 
 def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "auto", max_shard_size: str = "2GB", *,
@@ -115,40 +126,43 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
     files = streamable(lm) if "safetensors" in formats and heal is None else None
     offloaded = any(p.device.type == "meta" for p in lm.model.parameters())
     _refuse_offloaded(offloaded, files, formats)
-    pruned, healing = (None, None) if offloaded else _pruned_model(lm, choice, enc, heal)
-    gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
-                        healed=healing is not None) if "gguf" in formats else None)
-    if "safetensors" in formats:
-        trim_heap()  # what the search left free goes back before the reference logits and the shards
-        shipped = _write_safetensors(lm, pruned, healing, choice, out, max_shard_size, enc, files,
-                                     measure_speed and pruned is not None, log)
-        del pruned  # the last reference to the pruned copy (it shares the original's weights)
-        released = release_source and not getattr(lm.model, "hf_device_map", None)
-        if released:
-            release_weights(lm.model)  # the caller is done with the original: free its weights before the reload
-        _check_reload(lm, choice, out, shipped, released, placement)
-    else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
-        shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
-                                _speed(lm, pruned, log) if measure_speed else None, _parameters(pruned))
-        del pruned
-    stats = export_stats(lm, shipped.parameters, choice, heads, shipped.source_parameters)
-    verification = shipped.verification
-    log(f"{'reloaded ' + out.name if 'safetensors' in formats else 'pruned model'}: max |logit diff| "
-        f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
-        f"{verification['tolerance']:g})")
-    reloaded = verification.pop("_model")
-    trim_heap()  # the logit check's float32 upcasts, before the task passes reuse the heap
-    task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
-    del reloaded
-    meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
-    meta.update(speed=shipped.speed, formats=list(formats), gguf=gguf)
-    write_text(out / "README.md", model_card(meta))
-    # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
-    meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
-                     if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
-    meta["verified"] = True
-    write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
-    return ExportResult(choice, stats, verification, task_eval, meta, shipped.speed, gguf)
+    needed = export_bytes(lm, choice, formats, gguf_type, files)
+    check_space(out, needed, f"the {choice.layout} export")
+    with disk_full_reported(out, f"the {choice.layout} export", needed):  # from any library, any file
+        pruned, healing = (None, None) if offloaded else _pruned_model(lm, choice, enc, heal)
+        gguf = (export_gguf(lm, pruned, choice, out, gguf_type, sample_prompts(lm, enc), log, measure_speed,
+                            healed=healing is not None) if "gguf" in formats else None)
+        if "safetensors" in formats:
+            trim_heap()  # what the search left free goes back before the reference logits and the shards
+            shipped = _write_safetensors(lm, pruned, healing, choice, out, max_shard_size, enc, files,
+                                         measure_speed and pruned is not None, log)
+            del pruned  # the last reference to the pruned copy (it shares the original's weights)
+            released = release_source and not getattr(lm.model, "hf_device_map", None)
+            if released:
+                release_weights(lm.model)  # the caller is done with the original: free its weights before the reload
+            _check_reload(lm, choice, out, shipped, released, placement)
+        else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
+            shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
+                                    _speed(lm, pruned, log) if measure_speed else None, _parameters(pruned))
+            del pruned
+        stats = export_stats(lm, shipped.parameters, choice, heads, shipped.source_parameters)
+        verification = shipped.verification
+        log(f"{'reloaded ' + out.name if 'safetensors' in formats else 'pruned model'}: max |logit diff| "
+            f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
+            f"{verification['tolerance']:g})")
+        reloaded = verification.pop("_model")
+        trim_heap()  # the logit check's float32 upcasts, before the task passes reuse the heap
+        task_eval = _evaluate_export(reloaded, out, check, healing, progress, log) if check is not None else None
+        del reloaded
+        meta = _manifest(lm, heads, choice, stats, verification, task_eval, healing, info or {}, enc)
+        meta.update(speed=shipped.speed, formats=list(formats), gguf=gguf)
+        write_text(out / "README.md", model_card(meta))
+        # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
+        meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
+                         if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
+        meta["verified"] = True
+        write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
+        return ExportResult(choice, stats, verification, task_eval, meta, shipped.speed, gguf)
 
 
 @dataclass
@@ -262,7 +276,6 @@ def _write(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, max_shard_s
     """Weights, tokenizer and config.json: streamed from the source's safetensors ``files`` when given, else saved
     from the pruned model. A full disk mid-write removes what was written: no partial export."""
     config = _export_config(lm, choice)
-    _check_disk(out, lm.model)
     before_files = set(out.iterdir())
     written = {"streamed": files is not None}
     try:
@@ -278,13 +291,10 @@ def _write(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, max_shard_s
             pruned.config = config
             pruned.save_pretrained(out, max_shard_size=max_shard_size)
         lm.tokenizer.save_pretrained(out)
-    except OSError as e:
+    except BaseException:  # no partial weights stay behind (a full disk is reported by export_pruned)
         for f in set(out.iterdir()) - before_files:
             if f.is_file():
                 f.unlink()
-        if e.errno == errno.ENOSPC:
-            raise UserError(f"the disk filled up while writing the export to {out}; the partial files were removed; "
-                            "free some space and rerun the same command (finished evaluations are cached)") from None
         raise
     _finish_config(lm, config, choice, out)
     return written

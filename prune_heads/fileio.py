@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import UserError
+from .errors import DiskFull, UserError, is_disk_full
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
@@ -87,6 +87,7 @@ class StagedDirectory:
     one is refused even with ``force`` (replacing it would delete the input)."""
 
     current: "StagedDirectory | None" = None
+    last: "StagedDirectory | None" = None  # the latest one opened, still known after a failure released it
 
     def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False, inputs: tuple | list = (),
                  identity: dict | None = None):
@@ -109,6 +110,8 @@ class StagedDirectory:
             self._release()
             if not any(self.path.iterdir()):
                 self.path.rmdir()
+            if is_disk_full(e):
+                raise DiskFull(self.path, "the staging directory's marker") from None
             if isinstance(e, OSError):
                 raise UserError(f"--out {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
                                 "directory you can write to") from None
@@ -116,7 +119,7 @@ class StagedDirectory:
         previous = self.out / "cache"
         if previous.is_dir() and (resume or (force and same_model(read_identity(self.out), identity))):
             self._link_cache(previous)  # entries are keyed by everything they depend on: safe to reuse
-        StagedDirectory.current = self
+        StagedDirectory.current = StagedDirectory.last = self
 
     def _claim(self, force: bool, identity: dict | None) -> None:
         """Continue the unfinished work in the staging directory only if it is this run's; --force discards another
@@ -184,13 +187,21 @@ class StagedDirectory:
         return self.out
 
     def keep_for_resume(self) -> None:
-        """After a failure: keep the finished work for the next run; drop the directory if there is none."""
+        """After a failure: keep the finished work (the cache) for the next run and remove everything else this run
+        wrote (partial shards, spilled logits, offloaded weights); drop the directory if there is no finished work."""
         import shutil
 
         self._release()
-        shutil.rmtree(self.offload_dir, ignore_errors=True)
         if not any(self.cache_dir.glob("*.safetensors")):
             shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for f in self.path.iterdir():
+            if f.name in ("cache", MARKER):
+                continue
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
 
     def __enter__(self) -> "StagedDirectory":
         return self

@@ -17,7 +17,7 @@ import click
 
 from exporters.gguf_file import GGUF_TYPES
 from prune_heads.data.tasks import TASKS
-from prune_heads.errors import UserError
+from prune_heads.errors import DiskFull, UserError, is_disk_full
 from prune_heads.heads import SCORE_KEYS, HeadSet
 from prune_heads.heap import steady_heap
 from prune_heads.search import METRIC_CHOICES
@@ -406,6 +406,32 @@ def _interrupted() -> None:
     sys.exit(130)
 
 
+def _written_directory(error: BaseException) -> Path:
+    """The directory a failed write was writing to: the file the error names, else the run's --out."""
+    from prune_heads.fileio import StagedDirectory
+
+    while error is not None:
+        if isinstance(error, OSError) and error.filename:
+            return Path(error.filename).parent
+        error = error.__cause__ or error.__context__
+    staged = StagedDirectory.last
+    return staged.path if staged is not None else Path.cwd()
+
+
+def _disk_full(directory: Path, what: str, needed: int | None = None) -> None:
+    """One line: where the disk filled up, what that needed, what is free now that the run's partial files are gone
+    (its finished work stays cached, so the same command resumes)."""
+    from prune_heads.diskspace import free_bytes, gib, with_margin
+
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("/"))
+    free = gib(free_bytes(existing))
+    need = (f"it needs about {gib(with_margin(needed))}" if needed else "it needs more") + f", {free} are free now"
+    click.secho(f"error: the disk holding {directory} filled up while writing {what}; {need} (this run's partial "
+                "files were removed, its finished work is kept); free some space and rerun the same command to resume",
+                err=True, fg="red")
+    sys.exit(2)
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: through the same clean-up path
 
@@ -447,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)
+    except DiskFull as e:
+        _disk_full(e.directory, e.what, e.needed)
     except UserError as e:
         click.secho(f"error: {e}", err=True, fg="red")
         sys.exit(2)
@@ -456,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
         click.secho(f"error: {e.format_message()} (see prune-heads --help)", err=True, fg="red")
         sys.exit(2)
     except Exception as e:  # noqa: BLE001  (the outer handler: anything else is a bug, reported in one line)
+        if is_disk_full(e):  # a write outside the export (cache entry, report, plot): where it was writing
+            _disk_full(_written_directory(e), "the run's files")
         _unexpected(e)
     sys.exit(0)
 
