@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prune_heads.ablation import ablate
+from prune_heads.counting import safetensors_shapes
 from prune_heads.errors import UserError
 from prune_heads.fileio import atomic_write, write_json
 from prune_heads.geometry import head_rows
@@ -64,6 +65,38 @@ def read_adapter_config(adapter_dir: Path) -> dict:
     return config
 
 
+def _expected_width(kind: str, is_a: bool, geo, hidden: int) -> tuple[int, int]:
+    """(dimension, size) a LoRA tensor of a projection of ``kind`` must have on the unpruned base: lora_A's input
+    columns (dim 1), lora_B's output rows (dim 0)."""
+    if kind == "o":
+        return (1, geo.num_heads * geo.head_dim) if is_a else (0, hidden)
+    if is_a:
+        return 1, hidden
+    rows = {"q": geo.num_heads, "kv": geo.num_kv_heads, "qkv": geo.num_heads + 2 * geo.num_kv_heads}[kind]
+    return 0, rows * geo.head_dim
+
+
+def check_adapter_fits(shapes: dict[str, tuple[int, ...]], plan: PrunePlan, hidden: int, arch: ArchAdapter,
+                       adapter_dir: Path, source: str) -> None:
+    """The adapter was trained on the pruned model's source: every attention LoRA tensor has the shape that base's
+    projection gives it (layer by layer, from the plan's original geometry), and no layer lies beyond it."""
+    pattern = arch.attention_key()
+    for name, shape in shapes.items():
+        m = pattern.search(name)
+        if not m or ("lora_A" not in name and "lora_B" not in name):
+            continue
+        layer, projection = int(m.group(1)), m.group(2)
+        if layer >= len(plan.layers):
+            raise UserError(f"adapter {adapter_dir} has layer {layer}, but the pruned model's source {source} has "
+                            f"{len(plan.layers)} layers: it was trained on another base; pass an adapter of {source}")
+        dim, size = _expected_width(arch.projections[projection], "lora_A" in name, plan.layers[layer].geometry,
+                                    hidden)
+        if len(shape) != 2 or shape[dim] != size:
+            raise UserError(f"adapter {adapter_dir} does not fit the pruned model's source {source}: {name} has shape "
+                            f"{list(shape)}, that base's layer {layer} {projection} needs {size} in dimension {dim}; "
+                            f"it was trained on another base; pass an adapter of {source}")
+
+
 def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Path, log=print) -> Path:
     """Write ``adapter_dir``'s LoRA adapter, sliced by the plan in ``pruned_dir``'s manifest, into ``out``."""
     adapter_dir, pruned_dir, out = Path(adapter_dir), Path(pruned_dir), Path(out)
@@ -75,6 +108,9 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     model_type = model_config.get("model_type") if isinstance(model_config, dict) else None
     arch = adapter_for(model_type)
     pattern = arch.attention_key()
+    source = meta["source_model"].get("spec") or meta["source_model"].get("path")
+    check_adapter_fits(safetensors_shapes([weights_path]), plan, int(model_config["hidden_size"]), arch, adapter_dir,
+                       source)
     state = load_file(str(weights_path))
     sliced = {}
     for name, tensor in state.items():
@@ -90,7 +126,7 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "adapter_model.safetensors", lambda tmp: save_file(sliced, tmp, metadata={"format": "pt"}))
     write_json(out / "adapter_config.json", config)
-    log(f"sliced {len(state)} adapter tensors to {len(sliced)} for {pruned_dir}: {out}")
+    log(f"sliced {len(state)} adapter tensors to {len(sliced)} for {pruned_dir}")
     return out
 
 

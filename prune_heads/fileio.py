@@ -270,7 +270,9 @@ def identity_difference(old: dict | None, new: dict | None) -> str | None:
     if old.get("model") != new.get("model"):
         m = old.get("model") or {}
         return f"model {m.get('path')} with weights sha256 {str(m.get('fingerprint'))[:12]}..."
-    before, after = old.get("settings") or {}, new.get("settings") or {}
+    before, after = ({**(d.get("settings") or {}), **{k: v for k, v in d.items() if k not in ("command", "model",
+                                                                                                "settings")}}
+                     for d in (old, new))
     keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     return "other settings: " + ", ".join(f"{k} {before.get(k)!r} there, {after.get(k)!r} now" for k in keys[:3])
 

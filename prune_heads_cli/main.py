@@ -393,7 +393,9 @@ def adapt(adapter_dir, pruned, out, force):
     read_adapter_config(adapter_dir)
     read_manifest(pruned)
     with StagedDirectory(out, force, inputs=(adapter_dir, pruned)) as staged:
-        slice_adapter(adapter_dir, pruned, staged.path, log=lambda m: click.secho(m, err=True, fg="green"))
+        slice_adapter(adapter_dir, pruned, staged.path, log=lambda m: click.secho(m, err=True))
+    click.secho(f"sliced adapter written to {out} (load it with PeftModel.from_pretrained on {pruned})", err=True,
+                fg="green")
 
 
 def _interrupted() -> None:

@@ -156,3 +156,154 @@ def test_the_up_front_estimate_is_what_is_written_and_admits_a_disk_that_suffice
     logits = 4 * 96 * lm.config.vocab_size * 4
     assert abs(weights + logits - needed) / needed < 0.02  # the estimate is the bytes written, not a bound
     assert torch.float32 == lm.dtype
+
+
+# -- a run resumes only its own work -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("faults-other") / "qwen2", "qwen2")
+
+
+def _export_args(model, heads, out, *extra):
+    return ["export", "--model", model, "--heads", heads, "--no-task-eval", "--dtype", "float32", "--no-progress",
+            "--out", out, *extra]
+
+
+def test_resume_refuses_the_finished_export_of_another_model(model_dir, other_model, tmp_path, capsys):
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": [0, 3]}))
+    out = tmp_path / "pruned"
+    code, _, err = run_cli(_export_args(model_dir, heads, out), capsys)
+    assert code == 0, err
+    before = _snapshot(out)
+    code, _, err = run_cli(_export_args(other_model, heads, out, "--resume"), capsys)
+    line = one_error_line(code, err, "holds the results of another run (model ")
+    assert str(model_dir) in line and "--force" in line
+    assert _snapshot(out) == before and json.loads((out / "config.json").read_text())["model_type"] != "qwen2"
+    other_heads = tmp_path / "other.json"  # the same model with other heads is another run too
+    other_heads.write_text(json.dumps({"1": [1]}))
+    code, _, err = run_cli(_export_args(model_dir, other_heads, out, "--resume"), capsys)
+    one_error_line(code, err, "other settings: heads")
+    assert _snapshot(out) == before
+    code, _, err = run_cli(_export_args(model_dir, heads, out, "--resume"), capsys)  # its own run: continues
+    assert code == 0, err
+    code, _, err = run_cli(_export_args(other_model, heads, out, "--force"), capsys)  # --force replaces
+    assert code == 0 and json.loads((out / "config.json").read_text())["model_type"] == "qwen2", err
+
+
+def test_unfinished_work_of_another_model_is_not_resumed(model_dir, other_model, mmlu, tmp_path, capsys):
+    out = tmp_path / "pruned"
+    partial = tmp_path / ".pruned.partial"
+    code, _, err = run_cli(_main_args(model_dir, mmlu, out, "--no-export"), capsys)
+    assert code == 0
+    out.rename(partial)  # as an interrupted run leaves it: the cache and the marker under the hidden name
+    for f in partial.iterdir():
+        if f.name not in ("cache", ".prune-heads"):
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    before, old_entries = _snapshot(partial), {p.name for p in (partial / "cache").iterdir()}
+    code, _, err = run_cli(_main_args(other_model, mmlu, out), capsys)
+    one_error_line(code, err, "holds the unfinished work of another run (model ")
+    assert _snapshot(partial) == before and not out.exists()
+    code, _, err = run_cli(_main_args(other_model, mmlu, out, "--force"), capsys)  # discarded, then run afresh
+    assert code == 0 and "resuming" not in err, err
+    assert not old_entries & {p.name for p in (out / "cache").iterdir()}  # nothing of the other model's work kept
+
+
+# -- every head set the README allows exports ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "phi3"])
+def test_a_layer_left_with_no_heads_exports_in_every_family(family, mmlu, tmp_path, capsys):
+    """Layer 0 emptied (the layer transformers reads the cache length from) and layer 2 thinned: the export is
+    timed, reloaded, checked on logits, evaluated on the task, carded; where the layout ships the empty layer,
+    greedy generation with a KV cache equals the ablated original's."""
+    import torch
+    from tiny import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from prune_heads.ablation import ablate
+    from prune_heads.heads import HeadSet
+    from prune_heads.planning import planner_for
+
+    model = save_tiny(tmp_path / "m", family)
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": list(range(6)), "2": [1, 4]}))
+    out = tmp_path / "pruned"
+    fmt = "both" if family in ("llama", "qwen2") else "safetensors"
+    code, _, err = run_cli(["export", "--model", model, "--heads", heads, "--mmlu", mmlu, "--dtype", "float32",
+                            "--no-progress", "--format", fmt, "--out", out], capsys)
+    assert code == 0, err
+    meta = json.loads((out / "prune_heads.json").read_text())
+    assert meta["verified"] and meta["task_eval"]["n"] > 0 and "prefill_speedup" in meta["speed"]
+    assert meta["verification"]["max_abs_logit_diff"] <= meta["verification"]["tolerance"]
+    if fmt == "both":
+        g = meta["gguf"]  # llama.cpp needs heads in layer 0: one silent (zero) head stands in there
+        assert g["verified_in_llama_cpp"] and g["head_counts"][0] == int(g["zero_head_in_layer_0"]) == 1
+    lm = tiny_model(family)
+    plan = planner_for(lm).choose(HeadSet.load(heads), meta["layout"]).plan
+    shipped = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 17, 45, 99, 120, 7, 250, 33]])
+    kw = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with ablate(lm, plan):
+        expected = lm.model.generate(ids, use_cache=False, **kw)
+    assert torch.equal(shipped.generate(ids, use_cache=True, **kw), expected)
+
+
+# -- figures that are right, from one source ----------------------------------------------------------------------------
+
+
+def _independent_count(directory, tied: bool) -> int:
+    """Parameters in the written safetensors, read with safetensors itself (a tied LM head stored twice: once)."""
+    from safetensors import safe_open
+
+    total, names = 0, set()
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                names.add(name)
+                total += f.get_slice(name).get_shape().numel() if hasattr(f.get_slice(name).get_shape(), "numel") \
+                    else int(__import__("math").prod(f.get_slice(name).get_shape()))
+    if tied and "lm_head.weight" in names:
+        total -= int(__import__("math").prod(_shape(directory, "lm_head.weight")))
+    return total
+
+
+def _shape(directory, name):
+    from safetensors import safe_open
+
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            if name in f.keys():
+                return f.get_slice(name).get_shape()
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("family, layout, tied", [("llama", "per-layer", True), ("qwen2", "uniform", False),
+                                                   ("llama", "masked", True), ("qwen2", "per-layer", False)])
+def test_card_manifest_and_report_count_parameters_as_the_files_hold_them(family, layout, tied, mmlu, tmp_path,
+                                                                           capsys):
+    model = save_tiny(tmp_path / "m", family)
+    assert json.loads((model / "config.json").read_text()).get("tie_word_embeddings", False) == tied
+    out = tmp_path / "pruned"
+    code, _, err = run_cli(_main_args(model, mmlu, out, "--layout", layout), capsys)
+    assert code == 0, err
+    meta = json.loads((out / "prune_heads.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    stats = meta["stats"]
+    assert stats == report["export"]["stats"]
+    assert stats["after"]["parameters"] == _independent_count(out, tied)
+    assert stats["before"]["parameters"] == _independent_count(model, tied)
+    assert stats["tied_embeddings"] == tied
+    card = (out / "README.md").read_text()
+    assert f"| {stats['before']['parameters']:,} | {stats['after']['parameters']:,} |" in card
+    assert ("counted once" in card) == tied
+    title = card.split("\n# ", 1)[1].splitlines()[0]
+    if layout == "masked":
+        assert "padded to the original shape: no parameters removed" in title
+        assert stats["after"]["parameters"] == stats["before"]["parameters"]
+    else:
+        removed = stats["before"]["parameters"] - stats["after"]["parameters"]
+        assert f"{stats['removed']['query_heads']} query heads and {removed:,} parameters removed" in title
+    assert "ranked by `ahon_ln`" in card and "None" not in card
