@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from .ablation import HeadAblation, mask_for
 from .batching import pass_budget, text_batches
 from .data.tasks import LETTERS, TASKS, Question, TaskData
+from .errors import UserError
 from .heads import HeadSet
 from .heap import release_free, released_after_each
 from .models.loading import LoadedModel
@@ -36,9 +37,16 @@ from .prefix_cache import expanded, reservable, reserve
 
 
 def encode(lm: LoadedModel, text: str) -> list[int]:
+    """``text`` as the model's token ids (BOS first for the families lm-eval gives one); a tokenizer that produces
+    an id the embedding has no row for is refused before any pass."""
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if lm.arch.add_bos_for_eval and lm.tokenizer.bos_token_id is not None:
         ids = [lm.tokenizer.bos_token_id] + ids
+    rows = lm.model.get_input_embeddings().num_embeddings
+    if ids and max(ids) >= rows:
+        raise UserError(f"the tokenizer of {lm.source.spec} produces token id {max(ids)} (its vocabulary has "
+                        f"{len(lm.tokenizer):,} tokens), but the model's embedding has {rows:,} rows: the tokenizer "
+                        "does not belong to these weights; pass the model's own tokenizer files")
     return ids
 
 

@@ -91,7 +91,8 @@ class StagedDirectory:
 
     def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False, inputs: tuple | list = (),
                  identity: dict | None = None):
-        self.out = Path(out)
+        # An --out that is a symbolic link is written through: the link stays, its target gets the results.
+        self.out = Path(out).resolve() if Path(out).is_symlink() else Path(out)
         identity = json.loads(json.dumps(identity, default=str)) if identity else None  # as it reads back
         check_out(self.out, force, resume, inputs, identity)
         self.path = self.out.parent / f".{self.out.name}.partial"

@@ -68,8 +68,9 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
     if settings.calibration:
         texts = load_calibration(settings.calibration)
         calibration, rest = texts[:settings.calibration_size], texts[settings.calibration_size:]
-    kl_text = load_calibration(settings.kl_text, settings.kl_text_size) if settings.kl_text else None
-    heal_text = load_calibration(settings.heal_data) if settings.heal_data else None
+    kl_text = (load_calibration(settings.kl_text, settings.kl_text_size, "held-out text file")
+               if settings.kl_text else None)
+    heal_text = load_calibration(settings.heal_data, what="healing text file") if settings.heal_data else None
     questions, confirmation, why = confirmation_questions(settings, questions, full)
     return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text, input_paths(settings, source),
                   confirmation, why)

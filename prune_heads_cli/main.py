@@ -128,6 +128,23 @@ def _quiet_libraries() -> None:
         gguf_loading.tqdm = functools.partial(gguf_loading.tqdm, disable=True)
 
 
+def load_heads(path: str, action: str) -> HeadSet:
+    """A heads file as a HeadSet; heads listed twice and a file naming no heads are said (both are legal)."""
+    from prune_heads.readers import read_heads
+
+    raw = read_heads(path)
+    twice = sorted({(layer, h) for layer, hs in raw.items() for h in hs if hs.count(h) > 1})
+    if twice:
+        shown = ", ".join(f"layer {layer} head {h}" for layer, h in twice[:4]) + (" ..." if len(twice) > 4 else "")
+        click.secho(f"WARNING: heads file {path} lists {shown} more than once; each head is {action} once", err=True,
+                    fg="yellow")
+    heads = HeadSet.of(raw)
+    if not heads:
+        click.secho(f"WARNING: heads file {path} names no heads: nothing is {action} (the result is the unpruned "
+                    "model)", err=True, fg="yellow")
+    return heads
+
+
 def check_heads(heads: HeadSet, config) -> None:
     """Head indices the model has, checked against its config before its weights load."""
     heads.validate(config.num_hidden_layers, [config.num_attention_heads] * config.num_hidden_layers)
@@ -283,7 +300,7 @@ def eval_cmd(ablate, **kw):
     """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json."""
     from .commands import run_eval
 
-    heads = HeadSet.load(ablate) if ablate else None
+    heads = load_heads(ablate, "ablated") if ablate else None
     settings, inputs = prepare(kw)
     if heads:
         check_heads(heads, inputs.config)
@@ -301,7 +318,7 @@ def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, no_
     """Remove a given head set (no search), write the smaller model to --out and verify it."""
     from .commands import run_export
 
-    heads = HeadSet.load(heads_file)
+    heads = load_heads(heads_file, "removed")
     settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size, export_format=export_format,
                                gguf_type=gguf_type)
     check_heads(heads, inputs.config)
@@ -472,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
 
     bound_kernel_caches()
     steady_heap()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C goes through the clean-up path
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)

@@ -104,8 +104,21 @@ def check_checkpoint(source, raw: dict) -> None:
         raise UserError(f"the config of {spec!r} has num_hidden_layers = {layers}, but the weights hold "
                         f"{len(present)} layers; fix config.json or pass the matching checkpoint")
     head_dim = head_dim or (hidden // heads if hidden and heads else None)
+    _check_embedding(headers, spec, _raw_int(text, "vocab_size", spec), hidden)
     _check_rows(headers, spec, "q_proj", "num_attention_heads", heads, head_dim)
     _check_rows(headers, spec, "k_proj", "num_key_value_heads", kv, head_dim)
+
+
+def _check_embedding(headers: dict, spec: str, vocab, hidden) -> None:
+    """The embedding matrix is ``vocab_size x hidden_size`` as config.json says."""
+    info = next((v for k, v in headers.items() if k.endswith("embed_tokens.weight")), None)
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not shape or len(shape) != 2:
+        return
+    for field, value, actual in (("vocab_size", vocab, shape[0]), ("hidden_size", hidden, shape[1])):
+        if value and value != actual:
+            raise UserError(f"the config of {spec!r} has {field} = {value:,}, but the embedding weights are "
+                            f"{shape[0]:,} x {shape[1]:,}; fix {field} in config.json or pass the matching checkpoint")
 
 
 def _check_rows(headers: dict, spec: str, proj: str, field: str, count, head_dim) -> None:

@@ -212,6 +212,23 @@ def _import_modelling(config) -> None:
         mapping[type(config)]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
+
+
+def _tokenizer(auto_tokenizer, spec: str, source: ModelSource, kwargs: dict):
+    """The model's tokenizer, or one line naming what is missing."""
+    if source.kind == "directory" and not any((Path(source.path) / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{spec!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy the base "
+                        "model's tokenizer files into that directory")
+    try:
+        return auto_tokenizer.from_pretrained(source.path, **kwargs)
+    except Exception as e:  # noqa: BLE001  (missing or broken tokenizer files raise many kinds of errors)
+        first = str(e).strip().splitlines()[0][:120].rstrip(": ") if str(e).strip() else type(e).__name__
+        raise UserError(f"could not load the tokenizer of {spec!r} ({type(e).__name__}: {first}); it needs the base "
+                        "model's tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)"
+                        ) from None
+
+
 def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
     """(model, tokenizer) loaded strictly; any failure is one line."""
     from transformers import AutoTokenizer
@@ -225,7 +242,7 @@ def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
         # The tokenizer first: reading a GGUF's vocabulary peaks well above what it keeps, and before the weights
         # that transient does not add to theirs.
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **tok_kwargs)
+        tokenizer = _tokenizer(AutoTokenizer, spec, source, tok_kwargs)
         _import_modelling(config)
         trim_heap()
         model, info = load_weights(source, config, kwargs)
@@ -236,6 +253,8 @@ def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
     except Exception as e:  # noqa: BLE001  (corrupt weights raise many kinds of errors; each becomes one line)
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         hint = " (only pickled .bin weights? pass --allow-pickle if you trust them)" if "safetensors" in first else ""
+        if "ignore_mismatched_sizes" in first:  # transformers points at a report it does not show
+            first = "some weights' shapes differ from what its config.json describes"
         raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
