@@ -4,11 +4,47 @@ The token comes from ``HF_TOKEN`` or the cached ``hf auth login``; it is never p
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from prune_heads.errors import UserError
 
 from .export import MANIFEST, read_manifest
+
+# A git branch name as the Hub accepts it (git check-ref-format's rules, one component or several).
+_BRANCH = re.compile(r"(?!/)(?!.*(?:\.\.|//|@\{|\.lock(?:/|$)|/\.|/$))[^\x00-\x20\x7f~^:?*\[\\]+")
+
+
+def check_repo_id(repo_id: str) -> None:
+    """A Hub model id, user/name, as the Hub's own validator reads it."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    shaped = repo_id.count("/") == 1 and all(repo_id.split("/"))
+    try:
+        if shaped:
+            validate_repo_id(repo_id)
+    except HFValidationError:
+        shaped = False
+    if not shaped:
+        raise UserError(f"--push-to {repo_id!r} is not a Hub repo id; use user/name: letters, digits, '-', '_' and "
+                        "'.', no '--' or '..', neither at either end, at most 96 characters")
+
+
+def check_branch(branch: str) -> None:
+    if not _BRANCH.fullmatch(branch) or branch.startswith("-") or branch.endswith("."):
+        raise UserError(f"--branch {branch!r} is not a valid branch name (no spaces, '..', '~', '^', ':', '?', '*', "
+                        "'[', '\\' or trailing '/', '.' or '.lock'); choose another name")
+
+
+def _refused(error, repo_id: str) -> UserError:
+    """An HTTP error of the Hub as one line: its status and its own message; a hint for the usual causes."""
+    status = getattr(error.response, "status_code", "?")
+    said = (getattr(error, "server_message", None) or "").strip().splitlines()
+    reason = f": {said[0][:120]}" if said else ""
+    hint = {401: "check HF_TOKEN or run `hf auth login`", 403: "check HF_TOKEN's write access to this repo",
+            404: "check the repo id and branch"}.get(status, "check the repo id and branch")
+    return UserError(f"the Hub refused {repo_id} (HTTP {status}{reason}); {hint}")
 
 
 def push_export(directory: str | Path, repo_id: str, private: bool = False, branch: str | None = None,
@@ -18,18 +54,20 @@ def push_export(directory: str | Path, repo_id: str, private: bool = False, bran
 
     directory = Path(directory)
     meta = read_manifest(directory)  # refuses anything that is not a complete, verified export
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise UserError(f"--push-to {repo_id!r} must look like user/name")
+    check_repo_id(repo_id)
+    if branch is not None:
+        check_branch(branch)
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if private and not api.repo_info(repo_id).private:  # an existing public repo: made private, and said
+            api.update_repo_settings(repo_id, private=True)
+            log(f"{repo_id} existed and was public; made it private as --private asks")
         if branch and branch != "main":
             api.create_branch(repo_id, branch=branch, exist_ok=True)
         existing = set(api.list_repo_files(repo_id, revision=branch)) - {".gitattributes"}
     except HfHubHTTPError as e:
-        status = getattr(e.response, "status_code", "?")
-        hint = "check HF_TOKEN or run `hf auth login`" if status in (401, 403) else "check the repo id and your network"
-        raise UserError(f"the Hub refused access to {repo_id} (HTTP {status}); {hint}") from None
+        raise _refused(e, repo_id) from None
     except Exception as e:  # noqa: BLE001  (no network, DNS, TLS, offline mode: never a traceback, never the token)
         raise UserError(f"could not reach the Hub at {api.endpoint} ({type(e).__name__}); check your network, "
                         "HF_ENDPOINT and HF_HUB_OFFLINE") from None

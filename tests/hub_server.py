@@ -170,6 +170,19 @@ def make_handler(state: HubState, endpoint: list[str]):
                 return self._send(200, {"commitUrl": f"{endpoint[0]}/{m.group(1)}/commit/{b['sha']}", "commitOid": b["sha"]})
             self._error(404, "EntryNotFound", f"no route {path}")
 
+        def do_PUT(self):  # update_repo_settings: visibility
+            path = unquote(urlparse(self.path).path)
+            body = self._body()
+            if not self._authorized():
+                return self._error(401, "Unauthorized", "Invalid credentials in Authorization header")
+            m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/settings", path)
+            if m and m.group(1) in state.repos:
+                req = json.loads(body or b"{}")
+                if "private" in req or "visibility" in req:
+                    state.repos[m.group(1)]["private"] = bool(req.get("private")) or req.get("visibility") == "private"
+                return self._send(200, {})
+            self._error(404, "RepoNotFound", f"no route {path}")
+
     return Handler
 
 

@@ -103,3 +103,20 @@ def test_main_command_push_to(hub, tmp_path):
     repo = server.state.repos["user/main-push"]
     assert repo["private"] and MANIFEST in repo["branches"]["main"]["files"]
     assert repo["branches"]["main"]["files"]["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
+def test_push_makes_an_existing_public_repo_private_when_asked_and_words_bad_ids(export_dir, hub):
+    server, env = hub
+    assert run(["push", export_dir, "--repo-id", "user/pub"], env).returncode == 0
+    assert server.state.repos["user/pub"]["private"] is False
+    proc = run(["push", export_dir, "--repo-id", "user/pub", "--private", "--force"], env)
+    assert proc.returncode == 0, proc.stderr
+    assert "was public; made it private" in proc.stderr and server.state.repos["user/pub"]["private"] is True
+    for repo_id in ("user/na me", "a/b/c", "user/x--y", "-user/x"):
+        proc = run(["push", export_dir, "--repo-id", repo_id], env)
+        assert proc.returncode == 2 and "is not a Hub repo id" in proc.stderr and "network" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    for branch in ("a..b", "with space", "x.lock", "-x"):
+        proc = run(["push", export_dir, "--repo-id", "user/b", "--branch", branch], env)
+        assert proc.returncode == 2 and "is not a valid branch name" in proc.stderr, proc.stderr
+    assert "user/b" not in server.state.repos
