@@ -307,3 +307,134 @@ def test_card_manifest_and_report_count_parameters_as_the_files_hold_them(family
         removed = stats["before"]["parameters"] - stats["after"]["parameters"]
         assert f"{stats['removed']['query_heads']} query heads and {removed:,} parameters removed" in title
     assert "ranked by `ahon_ln`" in card and "None" not in card
+
+
+# -- inputs that do not belong together ---------------------------------------------------------------------------------
+
+
+def test_a_tokenizer_beyond_the_embedding_is_one_line_before_any_pass(mmlu, tmp_path, capsys):
+    from tiny import tiny_model
+
+    lm = tiny_model("llama", vocab_size=200)  # the tokenizer has 384 tokens
+    model = tmp_path / "m"
+    lm.model.save_pretrained(model)
+    lm.tokenizer.save_pretrained(model)
+    code, _, err = run_cli(["eval", "--model", model, "--mmlu", mmlu, "--out", tmp_path / "o", "--no-progress"],
+                           capsys)
+    one_error_line(code, err, "but the model's embedding has 200 rows")
+    assert "384 tokens" in err and not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()
+
+
+def test_a_missing_tokenizer_and_a_contradicted_vocab_size_are_named(model_dir, mmlu, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    for f in bare.iterdir():
+        if "token" in f.name:
+            f.unlink()
+    code, _, err = run_cli(["eval", "--model", bare, "--mmlu", mmlu, "--out", tmp_path / "o"], capsys)
+    one_error_line(code, err, "has no tokenizer files")
+    huge = tmp_path / "huge"
+    shutil.copytree(model_dir, huge)
+    config = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**config, "vocab_size": 10**12}))
+    code, _, err = run_cli(["eval", "--model", huge, "--mmlu", mmlu, "--out", tmp_path / "o"], capsys)
+    line = one_error_line(code, err, "vocab_size = 1,000,000,000,000, but the embedding weights are 384 x 96")
+    assert "above" not in line
+
+
+def test_an_adapter_of_another_base_is_refused_and_adapt_names_its_output(model_dir, tmp_path, capsys):
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tiny import tiny_model
+
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": [0, 3], "1": list(range(6))}))
+    pruned = tmp_path / "pruned"
+    assert run_cli(_export_args(model_dir, heads, pruned), capsys)[0] == 0
+
+    def adapter(lm, name):
+        torch.manual_seed(0)
+        peft = get_peft_model(copy.deepcopy(lm.model), LoraConfig(r=2, target_modules=["q_proj", "o_proj"]))
+        peft.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    other = adapter(tiny_model("llama", hidden_size=72), "other")
+    before = _snapshot(tmp_path)
+    code, _, err = run_cli(["adapt", other, "--pruned", pruned, "--out", tmp_path / "sliced"], capsys)
+    one_error_line(code, err, "does not fit the pruned model's source")
+    assert "trained on another base" in err and _snapshot(tmp_path) == before
+    deeper = adapter(tiny_model("llama", num_hidden_layers=6), "deeper")
+    code, _, err = run_cli(["adapt", deeper, "--pruned", pruned, "--out", tmp_path / "sliced"], capsys)
+    one_error_line(code, err, "has layer ")
+    own = adapter(tiny_model("llama"), "own")  # its own base, with layer 1 emptied: sliced and loadable
+    code, _, err = run_cli(["adapt", own, "--pruned", pruned, "--out", tmp_path / "sliced"], capsys)
+    assert code == 0 and f"written to {tmp_path / 'sliced'} " in err and ".partial" not in err, err
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(pruned, trust_remote_code=True)
+    PeftModel.from_pretrained(base, tmp_path / "sliced")
+
+
+def test_a_symlinked_out_is_written_through_and_the_link_kept(model_dir, tmp_path, capsys):
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": [0, 3]}))
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    code, _, err = run_cli(_export_args(model_dir, heads, link), capsys)
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert (target / "prune_heads.json").is_file() and not (tmp_path / ".link.partial").exists()
+    code, _, err = run_cli(_export_args(model_dir, heads, link, "--force"), capsys)  # replaced through the link
+    assert code == 0 and link.is_symlink() and (link / "prune_heads.json").is_file(), err
+
+
+def test_heads_listed_twice_or_none_are_said(model_dir, mmlu, tmp_path, capsys):
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"0": [1, 1, 3], "2": [0]}')
+    code, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu, "--ablate", twice, "--out", tmp_path / "a",
+                            "--no-progress"], capsys)
+    assert code == 0 and "lists layer 0 head 1 more than once; each head is ablated once" in err, err
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    code, _, err = run_cli(_export_args(model_dir, empty, tmp_path / "b"), capsys)
+    assert code == 0 and "names no heads: nothing is removed" in err, err
+
+
+def test_an_empty_kl_text_is_named_as_such(model_dir, mmlu, tmp_path, capsys):
+    empty = tmp_path / "held-out.txt"
+    empty.write_text("\n\n")
+    code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--kl-text", empty, "--budget", "0.05nat", "--metric", "kl-text",
+                            "--out", tmp_path / "o"], capsys)
+    line = one_error_line(code, err, f"held-out text file {empty} is empty")
+    assert "calibration" not in line
+
+
+def test_ctrl_c_while_the_command_starts_prints_no_traceback(tmp_path):
+    import signal
+    import sys
+    import time
+
+    for delay in (0.2, 0.5, 1.0):
+        proc = subprocess.Popen([sys.executable, "-m", "prune_heads_cli", "--model", "smollm2-135m", "--out",
+                                 tmp_path / f"o{delay}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and "Traceback" not in err, err
+        assert not (tmp_path / f"o{delay}").exists()
+
+
+def test_no_export_reports_what_each_point_would_ship(model_dir, mmlu, tmp_path, capsys):
+    code, _, err = run_cli(_main_args(model_dir, mmlu, tmp_path / "a", "--no-export"), capsys)
+    assert code == 0 and "ships -0" not in err and "efficiency 0.00" not in err, err
+    code, _, _ = run_cli(_main_args(model_dir, mmlu, tmp_path / "b"), capsys)
+    assert code == 0
+    without, exported = (json.loads((tmp_path / d / "report.json").read_text()) for d in "ab")
+    assert [p.get("shipped") for p in without["points"]] == [p.get("shipped") for p in exported["points"]]
+    assert max(p["shipped"]["attention_params_removed"] for p in without["points"] if p.get("shipped")) > 0
