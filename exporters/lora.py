@@ -76,6 +76,13 @@ def _expected_width(kind: str, is_a: bool, geo, hidden: int) -> tuple[int, int]:
     return 0, rows * geo.head_dim
 
 
+def _names_source(named: str, source: dict) -> bool:
+    """Whether an adapter's ``base_model_name_or_path`` names the export's source (a Hub id, its path, or the
+    directory's name: adapters trained on a local copy name wherever that copy was)."""
+    candidates = {str(source.get(k)) for k in ("spec", "path", "hub_id") if source.get(k)}
+    return named in candidates or Path(named).name in {Path(c).name for c in candidates}
+
+
 def check_adapter_fits(shapes: dict[str, tuple[int, ...]], plan: PrunePlan, hidden: int, arch: ArchAdapter,
                        adapter_dir: Path, source: str) -> None:
     """The adapter was trained on the pruned model's source: every attention LoRA tensor has the shape that base's
@@ -111,6 +118,10 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     source = meta["source_model"].get("spec") or meta["source_model"].get("path")
     check_adapter_fits(safetensors_shapes([weights_path]), plan, int(model_config["hidden_size"]), arch, adapter_dir,
                        source)
+    named = config.get("base_model_name_or_path")
+    if named and not _names_source(named, meta["source_model"]):
+        log(f"WARNING: adapter {adapter_dir} names {named} as its base, the export was pruned from {source}; its "
+            "tensor shapes fit that model, so it is sliced: check it is the adapter you meant")
     state = load_file(str(weights_path))
     sliced = {}
     for name, tensor in state.items():
