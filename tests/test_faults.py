@@ -3,22 +3,18 @@ right. Each failure is one ``error:`` line (exit 2), no traceback, every file th
 and nothing this run wrote left behind but its finished work (the cache), so a rerun resumes."""
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
 
 import pytest
+from test_hostile import _snapshot
 from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny
 
 MiB = 1 << 20
-
-
-def _snapshot(directory):
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -255,29 +251,16 @@ def test_a_layer_left_with_no_heads_exports_in_every_family(family, mmlu, tmp_pa
 
 
 def _independent_count(directory, tied: bool) -> int:
-    """Parameters in the written safetensors, read with safetensors itself (a tied LM head stored twice: once)."""
+    """Parameters in the written safetensors, read with safetensors itself (a tied LM head stored too: once)."""
     from safetensors import safe_open
 
-    total, names = 0, set()
+    shapes = {}
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                names.add(name)
-                total += f.get_slice(name).get_shape().numel() if hasattr(f.get_slice(name).get_shape(), "numel") \
-                    else int(__import__("math").prod(f.get_slice(name).get_shape()))
-    if tied and "lm_head.weight" in names:
-        total -= int(__import__("math").prod(_shape(directory, "lm_head.weight")))
-    return total
-
-
-def _shape(directory, name):
-    from safetensors import safe_open
-
-    for path in directory.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            if name in f.keys():
-                return f.get_slice(name).get_shape()
-    raise KeyError(name)
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 @pytest.mark.parametrize("family, layout, tied", [("llama", "per-layer", True), ("qwen2", "uniform", False),
