@@ -330,7 +330,8 @@ def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, functi
     the largest % of heads within budget, the normalised AUC, and the ranking (study.py)."""
     from prune_heads.study import run_study as study_curves
 
-    identity = run_identity("study", settings, inputs, functions=functions, percents=list(percents), modes=modes)
+    # The functions, percents and modes are left out: a study resumed with more of them extends the same study.
+    identity = run_identity("study", settings, inputs)
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged)
         echo(f"study of {run.lm.source.spec} on {settings.task} ({len(run.enc)} questions): {len(functions)} "

@@ -183,7 +183,7 @@ def test_full_disk_leaves_no_partial_export(setup, tmp_path, monkeypatch, capsys
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(mu, "safe_save_file", full)
-    with pytest.raises(UserError, match="disk filled up"):
+    with pytest.raises(UserError, match="filled up while writing the .* export"):
         export_pruned(lm, HeadSet.of({0: [1]}), tmp_path, log=lambda *a: None, progress=False)
     assert not list(tmp_path.iterdir())
 
