@@ -143,7 +143,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, layout: str = "aut
             _check_reload(lm, choice, out, shipped, released, placement)
         else:  # GGUF alone: the pruned model in memory is what the GGUF was written from
             shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
-                                    _speed(lm, pruned, log) if measure_speed else None, _parameters(pruned))
+                                    _speed(lm, pruned, log) if measure_speed else None, model_parameters(pruned))
             del pruned
         stats = export_stats(lm, shipped.parameters, choice, heads, shipped.source_parameters)
         verification = shipped.verification
@@ -173,10 +173,6 @@ class _ShippedModel:
     source_parameters: int | None = None  # counted in the source files when streamed (an offloaded model's own
     # parameters() do not all show)
     reference: dict | None = None  # the reference logits the reload is checked against, until it is
-
-
-def _parameters(model) -> int:
-    return model_parameters(model)
 
 
 def _refuse_offloaded(offloaded: bool, files, formats) -> None:
@@ -383,7 +379,7 @@ def export_stats(lm: LoadedModel, parameters: int, choice: LayoutChoice, heads: 
     geometries = lm.arch.geometries(lm.model)
     head_dim = lm.arch.head_dim(lm.config)
     shapes = [(g.num_heads, g.num_kv_heads) for g in geometries]
-    before = model_stats(source_parameters or _parameters(lm.model), shapes, head_dim, lm.dtype)
+    before = model_stats(source_parameters or model_parameters(lm.model), shapes, head_dim, lm.dtype)
     after = model_stats(parameters, shapes if choice.layout == "masked" else choice.plan.shapes, head_dim, lm.dtype)
     removed = {"query_heads": before["query_heads"] - after["query_heads"],
                "kv_heads": before["kv_heads"] - after["kv_heads"],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +168,7 @@ class _Shards:
     def __init__(self, out: Path, limit: int):
         self.out, self.limit = out, limit
         self.pending: dict[str, ShardEntry] = {}
-        self.size, self.written, self.parameters = 0, [], 0
+        self.size, self.written = 0, []
 
     def add(self, name: str, entry: "torch.Tensor | ShardEntry") -> None:
         if not isinstance(entry, ShardEntry):  # a tensor in memory (cast, or a pruned attention's)
@@ -178,7 +177,6 @@ class _Shards:
             self.flush()
         self.pending[name] = entry
         self.size += entry.nbytes
-        self.parameters += math.prod(entry.shape)
 
     def flush(self) -> None:
         if self.pending:
@@ -215,14 +213,10 @@ def stream_export(lm: LoadedModel, plan: PrunePlan, files: dict[str, Path], out:
     handles: dict[Path, object] = {}
     shards = _Shards(out, max_shard_bytes)
     done: set[int] = set()
-    read_parameters = [0]
-
     def read(name: str) -> torch.Tensor:
         if files[name] not in handles:
             handles[files[name]] = safe_open(str(files[name]), "pt")
-        tensor = handles[files[name]].get_tensor(name)
-        read_parameters[0] += tensor.numel()
-        return tensor
+        return handles[files[name]].get_tensor(name)
 
     try:
         for source in dict.fromkeys(files.values()):  # file by file, each closed once read
@@ -231,7 +225,6 @@ def stream_export(lm: LoadedModel, plan: PrunePlan, files: dict[str, Path], out:
                 layer = next((i for i, p in prefixes.items() if name.startswith(p)), None)
                 if layer is None and layout[name].dtype == SAFETENSORS_DTYPES[dtype]:
                     shards.add(name, layout[name])  # as it is in the source: copied file to file
-                    read_parameters[0] += math.prod(layout[name].shape)
                 elif layer is None:
                     shards.add(name, read(name).to(dtype))
                 elif layer not in done:
@@ -244,7 +237,7 @@ def stream_export(lm: LoadedModel, plan: PrunePlan, files: dict[str, Path], out:
     finally:
         for f in out.glob(".shard-*.tmp"):
             f.unlink()
-    return {"parameters": shards.parameters, "source_parameters": read_parameters[0], "files": [p.name for p in paths]}
+    return {"files": [p.name for p in paths]}
 
 
 def _prefix(model: torch.nn.Module, module: torch.nn.Module) -> str:

@@ -6,7 +6,6 @@ store ``lm_head.weight`` beside the embedding; transformers ties it on load).
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -29,13 +28,13 @@ def model_parameters(model) -> int:
 
 
 def safetensors_shapes(paths: Iterable[str | Path]) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every tensor in these safetensors files (headers only)."""
+    """``{name: shape}`` of every tensor in these safetensors files (headers only, checked to be whole)."""
+    from .models.checks import safetensors_header
+
     shapes: dict[str, tuple[int, ...]] = {}
     for path in paths:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        header.pop("__metadata__", None)
-        shapes.update({name: tuple(h["shape"]) for name, h in header.items()})
+        header = safetensors_header(Path(path), str(path))
+        shapes.update({name: tuple(h["shape"]) for name, h in header.items() if name != "__metadata__"})
     return shapes
 
 

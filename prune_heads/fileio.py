@@ -271,11 +271,15 @@ def identity_difference(old: dict | None, new: dict | None) -> str | None:
     if old.get("model") != new.get("model"):
         m = old.get("model") or {}
         return f"model {m.get('path')} with weights sha256 {str(m.get('fingerprint'))[:12]}..."
-    before, after = ({**(d.get("settings") or {}), **{k: v for k, v in d.items() if k not in ("command", "model",
-                                                                                                "settings")}}
-                     for d in (old, new))
+    before, after = _defining_settings(old), _defining_settings(new)
     keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     return "other settings: " + ", ".join(f"{k} {before.get(k)!r} there, {after.get(k)!r} now" for k in keys[:3])
+
+
+def _defining_settings(identity: dict) -> dict:
+    """The settings of a run identity with its command's own extras (heads, ...) beside them."""
+    extras = {k: v for k, v in identity.items() if k not in ("command", "model", "settings")}
+    return {**(identity.get("settings") or {}), **extras}
 
 
 def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list = (),

@@ -39,7 +39,7 @@ def check_config(config, spec: str) -> None:
         raise UserError(f"the config of {spec!r} has head_dim = {head_dim!r}; it must be a positive integer")
 
 
-def _header(path: Path, spec: str) -> dict:
+def safetensors_header(path: Path, spec: str) -> dict:
     """The JSON header of a safetensors file, checked to be whole: its tensors lie inside the file."""
     size = path.stat().st_size
     bad = f"could not load model {spec!r}: {path.name} is corrupt"
@@ -96,7 +96,7 @@ def check_checkpoint(source, raw: dict) -> None:
                         f"num_attention_heads = {heads}; fix config.json")
     headers = {}
     for f in sorted(Path(source.path).glob("*.safetensors")):
-        headers.update(_header(f, spec))
+        headers.update(safetensors_header(f, spec))
     if not headers:
         return
     present = {int(m.group(1)) for name in headers for m in [_LAYER.search(name)] if m}
