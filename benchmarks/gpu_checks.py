@@ -41,7 +41,7 @@ def scoring_matches_cpu(device: torch.device, quick: bool) -> float:
     from tiny import tiny_model
 
     from prune_heads.models.loading import LoadedModel
-    from prune_heads.scoring import score_heads
+    from prune_heads.scoring.hooks import score_heads
 
     worst = 0.0
     g = torch.Generator().manual_seed(0)
@@ -70,9 +70,9 @@ def emptied_layer_exports_match(device: torch.device, quick: bool) -> tuple[floa
     from transformers import AutoModelForCausalLM
 
     from exporters.export import export_pruned
-    from prune_heads.ablation import ablate
     from prune_heads.heads import HeadSet
     from prune_heads.models.loading import LoadedModel
+    from prune_heads.plan.ablation import ablate
 
     worst, same = 0.0, True
     ids = torch.randint(4, 384, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
@@ -106,7 +106,7 @@ def emptied_layer_exports_match(device: torch.device, quick: bool) -> tuple[floa
 
 def bf16_agrees_with_float32(device: torch.device, quick: bool) -> float:
     from prune_heads.data.mmlu import load_mmlu
-    from prune_heads.evaluation import encode_task, evaluate
+    from prune_heads.eval.passes import encode_task, evaluate
     from prune_heads.models import load_model
 
     subjects = 2 if quick else None

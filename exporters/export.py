@@ -20,23 +20,9 @@ from typing import Callable
 
 import torch
 
-from prune_heads import __version__
-from prune_heads.ablation import ablate
-from prune_heads.counting import checkpoint_parameters, is_tied, model_parameters
-from prune_heads.diskspace import GGUF_BYTES_PER_VALUE, check_space, disk_full_reported
-from prune_heads.errors import UserError
-from prune_heads.evaluation import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
-from prune_heads.fileio import sha256_file, write_json, write_text
-from prune_heads.heads import HeadSet
-from prune_heads.heap import trim_heap
-from prune_heads.models.adapters import adapter_for
-from prune_heads.models.loading import LoadedModel, dense_logits_input
-from prune_heads.models.placement import input_device, release_weights
-from prune_heads.planning import LayoutChoice, Planner, planner_for
-from prune_heads.pruning import pruned_copy
-from prune_heads.readers import check_manifest, read_json
-from prune_heads.speed import measure_speed as measure
-from prune_heads.verify import (
+from exporters.card import model_card
+from exporters.gguf.export import export_gguf
+from exporters.logits import (
     SpilledLogits,
     bytes_per_value,
     check_logits,
@@ -44,10 +30,23 @@ from prune_heads.verify import (
     reference_logits,
     sample_prompts,
 )
-
-from .card import model_card
-from .gguf_export import export_gguf
-from .stream import stream_export, streamable
+from exporters.speed import measure_speed as measure
+from exporters.stream import stream_export, streamable
+from prune_heads import __version__
+from prune_heads.errors import UserError
+from prune_heads.eval.passes import EncodedTask, EvalResult, agreement, answer_kl, evaluate, paired_delta
+from prune_heads.heads import HeadSet
+from prune_heads.io.diskspace import GGUF_BYTES_PER_VALUE, check_space, disk_full_reported
+from prune_heads.io.files import sha256_file, write_json, write_text
+from prune_heads.io.readers import check_manifest, read_json
+from prune_heads.models.adapters import adapter_for
+from prune_heads.models.counting import checkpoint_parameters, is_tied, model_parameters
+from prune_heads.models.loading import LoadedModel, dense_logits_input
+from prune_heads.models.placement import input_device, release_weights
+from prune_heads.plan.ablation import ablate
+from prune_heads.plan.planner import LayoutChoice, Planner, planner_for
+from prune_heads.plan.slicing import pruned_copy
+from prune_heads_cli.memory import trim_heap
 
 MANIFEST = "prune_heads.json"
 REFERENCE_DIR = ".reference-logits"  # hidden: not part of the model, gone once the reload is checked

@@ -7,9 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from exporters.export import MANIFEST, read_manifest
 from prune_heads.errors import UserError
-
-from .export import MANIFEST, read_manifest
 
 # A git branch name as the Hub accepts it (git check-ref-format's rules, one component or several).
 _BRANCH = re.compile(r"(?!/)(?!.*(?:\.\.|//|@\{|\.lock(?:/|$)|/\.|/$))[^\x00-\x20\x7f~^:?*\[\\]+")

@@ -13,17 +13,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from prune_heads.ablation import ablate
-from prune_heads.counting import safetensors_shapes
+from exporters.export import read_manifest
+from exporters.logits import compare_models, sample_prompts
 from prune_heads.errors import UserError
-from prune_heads.fileio import atomic_write, write_json
-from prune_heads.geometry import head_rows
+from prune_heads.io.files import atomic_write, write_json
+from prune_heads.io.readers import check_adapter_config, read_json
 from prune_heads.models.adapters import ArchAdapter, adapter_for
-from prune_heads.planning import LayerPlan, PrunePlan
-from prune_heads.readers import check_adapter_config, read_json
-from prune_heads.verify import compare_models, sample_prompts
-
-from .export import read_manifest
+from prune_heads.models.counting import safetensors_shapes
+from prune_heads.models.geometry import head_rows
+from prune_heads.plan.ablation import ablate
+from prune_heads.plan.planner import LayerPlan, PrunePlan
 
 
 def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, arch: ArchAdapter) -> torch.Tensor:

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from prune_heads.fileio import write_json
+from prune_heads.io.files import write_json
 from prune_heads.models.loading import LoadedModel
-from prune_heads.planning import PrunePlan
-from prune_heads.pruning import apply_layer_plan
+from prune_heads.plan.planner import PrunePlan
+from prune_heads.plan.slicing import apply_layer_plan
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 

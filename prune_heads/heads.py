@@ -7,7 +7,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from .errors import UserError
+from prune_heads.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class HeadSet:
 
     @staticmethod
     def load(path: str | Path) -> "HeadSet":
-        from .readers import read_heads
+        from prune_heads.io.readers import read_heads
 
         return HeadSet.of(read_heads(path))
 

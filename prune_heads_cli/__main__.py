@@ -1,3 +1,3 @@
-from .main import main
+from prune_heads_cli.main import main
 
 main()

@@ -13,18 +13,17 @@ from pathlib import Path
 
 from exporters.export import ExportCheck, ExportResult, export_pruned
 from exporters.lora import check_sliced, load_sliced, slice_adapter
-from prune_heads import plots
-from prune_heads.confirmation import confirm
 from prune_heads.data.tasks import task_format
-from prune_heads.evaluation import EvalResult, agreement, answer_kl, encode, paired_delta
-from prune_heads.fileio import StagedDirectory, write_json, write_text
+from prune_heads.eval.passes import EvalResult, agreement, answer_kl, encode, paired_delta
+from prune_heads.eval.work import Work
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
-from prune_heads.inputs import Inputs, compare_texts, kl_text_sequences, round_robin
+from prune_heads.io.files import StagedDirectory, write_json, write_text
+from prune_heads.io.parallel import LOCAL, Ranks
 from prune_heads.models.loading import LoadedModel
 from prune_heads.models.placement import device_map_option, max_memory_option
-from prune_heads.parallel import LOCAL, Ranks
-from prune_heads.report import METRIC_NAMES, accuracy_summary, scores_payload, versions, write_eval_outputs
-from prune_heads.run import (
+from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_text_sequences, round_robin
+from prune_heads.pipeline.settings import Settings
+from prune_heads.pipeline.stages import (
     Run,
     describe,
     echo,
@@ -37,10 +36,17 @@ from prune_heads.run import (
     verifier_for,
     warn_chance,
 )
-from prune_heads.selection import Selection, gqa_costs, predict_resolution, select_heads
-from prune_heads.settings import Settings
-from prune_heads.verifier import Verifier
-from prune_heads.work import Work
+from prune_heads.report import plots
+from prune_heads.report.report import (
+    METRIC_NAMES,
+    accuracy_summary,
+    scores_payload,
+    versions,
+    write_eval_outputs,
+)
+from prune_heads.search.confirmation import confirm
+from prune_heads.search.selection import Selection, gqa_costs, predict_resolution, select_heads
+from prune_heads.search.verifier import Verifier
 
 
 def run_identity(command: str, settings: Settings, inputs: Inputs, **extra) -> dict:
@@ -124,7 +130,7 @@ def _say_baseline(run: Run, verifier: Verifier, resolution) -> list[str]:
 
 
 def _prune_report(run: Run, scores, calibration, verifier: Verifier, selection: Selection, warnings) -> dict:
-    from prune_heads.report import prune_report
+    from prune_heads.report.report import prune_report
 
     s = run.settings
     dormant_low = score_direction(s.scorer) == "low"
@@ -197,7 +203,7 @@ def _formats(s: Settings) -> dict:
 def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResult) -> dict:
     """Slice --adapter into stage/adapter, reload pruned base + sliced adapter, and check it against the verified
     (merged, ablated) model: logits on sample prompts, then the task."""
-    from prune_heads.cache import digest
+    from prune_heads.io.cache import digest
 
     merged = run.lm
     out = slice_adapter(run.settings.lora_adapter, run.stage, run.stage / "adapter", log=echo)
@@ -221,7 +227,7 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
                with_task: bool = True, heads_file: str | Path | None = None) -> ExportResult:
     """``prune-heads export``: a given head set (read from ``heads_file``, named in the card with its hash), no
     search. Verifies logits, and the task unless ``with_task`` is off."""
-    from prune_heads.fileio import sha256_file
+    from prune_heads.io.files import sha256_file
 
     source = {"name": Path(heads_file).name, "sha256": sha256_file(heads_file)} if heads_file else None
     identity = run_identity("export", settings, inputs, heads=heads.to_json(), with_task=with_task)
@@ -299,8 +305,8 @@ def run_compare(pair: tuple[tuple[Settings, Inputs], tuple[Settings, Inputs]], o
                 studies: tuple | None = None) -> dict:
     """``prune-heads compare A B``: score both models on the same texts and compare their attention behaviour;
     with both models' study results, also the rank correlation of their score-function rankings."""
-    from prune_heads.compare import compare_tables, markdown, study_ranking_correlation
-    from prune_heads.study import read_study
+    from prune_heads.report.compare import compare_tables, markdown, study_ranking_correlation
+    from prune_heads.report.study import read_study
 
     study_pair = [read_study(p) for p in studies] if studies else None
     (settings_a, inputs_a), _ = pair
@@ -328,7 +334,7 @@ def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, functi
               modes: list[str]) -> dict:
     """``prune-heads study``: every score function's accuracy curve under dynamic, static and random ablation,
     the largest % of heads within budget, the normalised AUC, and the ranking (study.py)."""
-    from prune_heads.study import run_study as study_curves
+    from prune_heads.report.study import run_study as study_curves
 
     # The functions, percents and modes are left out: a study resumed with more of them extends the same study.
     identity = run_identity("study", settings, inputs)
@@ -361,7 +367,7 @@ def _study_point_printer(p) -> None:
 def _study_scores(run: Run) -> tuple[ScoreTable, ScoreTable, str]:
     """Per-input scores of the evaluation prompts (dynamic ablation thresholds each input by its own scores), and
     of the calibration set (static selections)."""
-    from prune_heads.inputs import calibration_sequences
+    from prune_heads.pipeline.inputs import calibration_sequences
 
     s, enc = run.settings, run.enc
     eval_scores = run.work.scores([it.context for it in enc.items])
@@ -380,7 +386,7 @@ def _study_scores(run: Run) -> tuple[ScoreTable, ScoreTable, str]:
 
 
 def _write_study(run: Run, payload: dict, result: dict) -> None:
-    from prune_heads.study import markdown
+    from prune_heads.report.study import markdown
 
     spec, task, stage = run.lm.source.spec, run.settings.task, run.stage
     write_json(stage / "study.json", payload)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import click
 
-from exporters.gguf_file import GGUF_TYPES
+from exporters.gguf.writer import GGUF_TYPES
 from prune_heads.data.tasks import TASKS
 from prune_heads.errors import DiskFull, UserError, is_disk_full
 from prune_heads.heads import SCORE_KEYS, HeadSet
-from prune_heads.heap import steady_heap
-from prune_heads.search import METRIC_CHOICES
+from prune_heads.search.prefixes import METRIC_CHOICES
+from prune_heads_cli.memory import steady_heap
 
 
 def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject", auto: bool = False) -> int | None | str:
@@ -130,7 +130,7 @@ def _quiet_libraries() -> None:
 
 def load_heads(path: str, action: str) -> HeadSet:
     """A heads file as a HeadSet; heads listed twice and a file naming no heads are said (both are legal)."""
-    from prune_heads.readers import read_heads
+    from prune_heads.io.readers import read_heads
 
     raw = read_heads(path)
     twice = sorted({(layer, h) for layer, hs in raw.items() for h in hs if hs.count(h) > 1})
@@ -152,9 +152,9 @@ def check_heads(heads: HeadSet, config) -> None:
 
 def prepare(kw: dict, main_command: bool = False, **extra):
     """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load."""
-    from prune_heads.inputs import load_inputs
     from prune_heads.models.loading import load_config, resolve_source
-    from prune_heads.settings import resolve_settings
+    from prune_heads.pipeline.inputs import load_inputs
+    from prune_heads.pipeline.settings import resolve_settings
 
     if not main_command and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("under torchrun only the main command (prune-heads --model M ...) shares its work across "
@@ -245,9 +245,8 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, expo
     if ctx.invoked_subcommand is not None:
         return
     from exporters.hub import push_export
-    from prune_heads.parallel import launched_ranks, leave
-
-    from .commands import run_prune
+    from prune_heads.io.parallel import launched_ranks, leave
+    from prune_heads_cli.commands import run_prune
 
     if push_to and no_export:
         raise UserError("--push-to needs an export; drop --no-export")
@@ -288,7 +287,7 @@ def _as_rank(settings, ranks):
 @common_options
 def score(**kw):
     """Score every head with every score function; write scores.json."""
-    from .commands import run_score
+    from prune_heads_cli.commands import run_score
 
     run_score(*prepare(kw), kw["out"], kw["force"])
 
@@ -298,7 +297,7 @@ def score(**kw):
 @click.option("--ablate", type=click.Path(dir_okay=False), help="heads.json of heads to zero ({layer: [head, ...]}).")
 def eval_cmd(ablate, **kw):
     """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json."""
-    from .commands import run_eval
+    from prune_heads_cli.commands import run_eval
 
     heads = load_heads(ablate, "ablated") if ablate else None
     settings, inputs = prepare(kw)
@@ -316,7 +315,7 @@ def eval_cmd(ablate, **kw):
               help="Verify logits only, skip the task evaluations.")
 def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, no_task_eval, **kw):
     """Remove a given head set (no search), write the smaller model to --out and verify it."""
-    from .commands import run_export
+    from prune_heads_cli.commands import run_export
 
     heads = load_heads(heads_file, "removed")
     settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size, export_format=export_format,
@@ -350,7 +349,7 @@ def push(directory, repo_id, private, branch, commit_message, force):
 @click.option("--study-b", type=click.Path(), help="MODEL_B's study (study.json or its directory).")
 def compare(model_a, model_b, study_a, study_b, **kw):
     """Compare the attention behaviour of two models on the same texts: compare.json, compare.md, score_cdfs.png."""
-    from .commands import run_compare
+    from prune_heads_cli.commands import run_compare
 
     if kw.get("model"):
         raise UserError("compare takes the two models as arguments: prune-heads compare MODEL_A MODEL_B --out DIR")
@@ -382,9 +381,8 @@ def _csv(value: str, what: str, convert=str) -> list:
 def study(budget, functions, percents, modes, **kw):
     """Reproduce the paper's comparison of score functions on one model: accuracy vs % of heads zeroed per
     function (dynamic, static, random), max % within budget, AUC and ranking: study.json, study.md, PNGs."""
-    from prune_heads.study import check_study_args
-
-    from .commands import run_study
+    from prune_heads.report.study import check_study_args
+    from prune_heads_cli.commands import run_study
 
     funcs = list(SCORE_KEYS) if functions.strip().lower() == "all" else _csv(functions, "functions")
     percent_values, mode_names = _csv(percents, "percents", float), _csv(modes, "modes")
@@ -405,7 +403,7 @@ def adapt(adapter_dir, pruned, out, force):
     loads it)."""
     from exporters.export import read_manifest
     from exporters.lora import read_adapter_config, slice_adapter
-    from prune_heads.fileio import StagedDirectory
+    from prune_heads.io.files import StagedDirectory
 
     read_adapter_config(adapter_dir)
     read_manifest(pruned)
@@ -416,7 +414,7 @@ def adapt(adapter_dir, pruned, out, force):
 
 
 def _interrupted() -> None:
-    from prune_heads.fileio import StagedDirectory
+    from prune_heads.io.files import StagedDirectory
 
     staged = StagedDirectory.current
     where = f" in {staged.path}" if staged is not None else ""
@@ -427,7 +425,7 @@ def _interrupted() -> None:
 
 def _written_directory(error: BaseException) -> Path:
     """The directory a failed write was writing to: the file the error names, else the run's --out."""
-    from prune_heads.fileio import StagedDirectory
+    from prune_heads.io.files import StagedDirectory
 
     while error is not None:
         if isinstance(error, OSError) and error.filename:
@@ -440,7 +438,7 @@ def _written_directory(error: BaseException) -> Path:
 def _disk_full(directory: Path, what: str, needed: int | None = None) -> None:
     """One line: where the disk filled up, what that needed, what is free now that the run's partial files are gone
     (its finished work stays cached, so the same command resumes)."""
-    from prune_heads.diskspace import free_bytes, gib, with_margin
+    from prune_heads.io.diskspace import free_bytes, gib, with_margin
 
     existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("/"))
     free = gib(free_bytes(existing))

@@ -4,8 +4,8 @@ import pytest
 import torch
 from tiny import FAMILIES, tiny_model
 
-from prune_heads.ablation import ablate
 from prune_heads.heads import HeadSet
+from prune_heads.plan.ablation import ablate
 
 IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61]])
 
@@ -70,7 +70,7 @@ def test_head_set_is_canonical_hashable_and_validated():
 
 
 def test_dynamic_masks_select_exactly_the_heads_past_threshold_per_input():
-    from prune_heads.ablation import dynamic_masks
+    from prune_heads.plan.ablation import dynamic_masks
 
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(5, 3, 4, generator=g)

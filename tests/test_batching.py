@@ -1,5 +1,5 @@
 """The pass budget: how many rows one forward pass may hold, by hand."""
-from prune_heads.batching import PassBudget, longest_first
+from prune_heads.models.batching import PassBudget, longest_first
 
 
 def test_cached_rows_fit_copies_of_the_prefix_cache_in_the_budget():

@@ -209,8 +209,8 @@ def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from exporters.export import export_pruned
-    from prune_heads.ablation import ablate
     from prune_heads.models import load_model
+    from prune_heads.plan.ablation import ablate
 
     lm = load_model("smollm2-135m", dtype="float32", device="cpu")
     # One head from every KV group of layers 0-9: those keep 6 query x 3 KV heads, layers 10-29 keep 9 x 3, so the

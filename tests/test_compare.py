@@ -5,7 +5,7 @@ import torch
 from test_mmlu import _cais_file
 from tiny import tiny_model
 
-from prune_heads.compare import ks_distance, selected, spearman, wasserstein_distance
+from prune_heads.report.compare import ks_distance, selected, spearman, wasserstein_distance
 from prune_heads_cli.main import main
 
 

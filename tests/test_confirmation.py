@@ -37,7 +37,7 @@ def test_the_chosen_point_is_confirmed_on_further_questions_of_the_same_subjects
 
 
 def test_a_failing_confirmation_steps_back_along_the_curve(model_dir, tmp_path, capsys, monkeypatch):
-    import prune_heads.confirmation as confirmation
+    import prune_heads.search.confirmation as confirmation
 
     real = confirmation.judge
     calls = []
@@ -58,7 +58,7 @@ def test_a_failing_confirmation_steps_back_along_the_curve(model_dir, tmp_path, 
 
 
 def test_nothing_confirms_and_nothing_is_removed(model_dir, tmp_path, capsys, monkeypatch):
-    import prune_heads.confirmation as confirmation
+    import prune_heads.search.confirmation as confirmation
 
     real = confirmation.judge
     monkeypatch.setattr(confirmation, "judge", lambda *a: (*real(*a)[:3], False))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from prune_heads.data.tasks import Question
-from prune_heads.evaluation import EvalResult
-from prune_heads.search import Budget, judge
+from prune_heads.eval.passes import EvalResult
+from prune_heads.search.prefixes import Budget, judge
 
 N, TRIALS = 400, 2000
 QUESTIONS = [Question("s", i, "q", ("a", "b", "c", "d"), 0) for i in range(N)]
@@ -92,7 +92,7 @@ def _simulated_search(seed: int, n: int = 300, budget: float = 2.0):
         true[k] = 0.5 * k
         return result(outcomes(true[k], base))
 
-    from prune_heads.search import search_budget
+    from prune_heads.search.prefixes import search_budget
 
     ranking = [(0, h) for h in range(12)]
     res = search_budget(ranking, evaluate, baseline, Budget(budget), grid=tuple(k / 12 for k in range(1, 13)),

@@ -7,11 +7,11 @@ import torch
 from tiny import FAMILIES, tiny_model
 
 from exporters.export import MANIFEST, export_pruned, read_manifest
-from prune_heads.ablation import ablate
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
-from prune_heads.planning import Planner, balanced_selection, plan_exact, plan_masked, plan_uniform
-from prune_heads.pruning import pruned_copy
+from prune_heads.plan.ablation import ablate
+from prune_heads.plan.planner import Planner, balanced_selection, plan_exact, plan_masked, plan_uniform
+from prune_heads.plan.slicing import pruned_copy
 
 IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
 # Layer 0: uneven groups (one head gone from group 0, two from group 1); layer 1: nothing removed;
@@ -75,7 +75,7 @@ def test_exact_plan_copies_kv_heads_to_equalise_uneven_groups():
 
 
 def test_exact_plan_copies_a_kv_head_when_that_is_cheapest():
-    from prune_heads.geometry import HeadGeometry as AttentionLayout
+    from prune_heads.models.geometry import HeadGeometry as AttentionLayout
 
     lay = AttentionLayout(8, 2, 16)  # groups of 4; keep all of group 0 and one head of group 1
     plan = plan_exact(HeadSet.of({0: [4, 5, 6]}), [lay])
@@ -248,7 +248,7 @@ def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_p
 def test_float32_comparison_catches_a_one_percent_error_in_one_head_and_falls_back_when_memory_is_short(monkeypatch):
     import copy
 
-    from prune_heads import verify as ex
+    from exporters import logits as ex
 
     lm = _bf16("qwen2")
     wrong = copy.deepcopy(lm.model)
@@ -270,7 +270,7 @@ def test_float32_comparison_never_upcasts_a_whole_vocabulary_matrix(family):
     model the vocabulary matrix in float32 is the largest tensor of the check); the logits are the float32 model's."""
     import copy
 
-    from prune_heads import verify as ex
+    from exporters import logits as ex
 
     lm = _bf16(family)
     vocab = lm.config.vocab_size
@@ -296,7 +296,7 @@ def test_reference_logits_go_to_disk_come_back_equal_and_are_removed_once_the_re
     """The export holds its reference logits (full vocabulary, float32) on disk from before its files are written
     until the reload is checked, not in memory; read back they are the in-memory ones bit for bit."""
     from exporters.export import REFERENCE_DIR
-    from prune_heads.verify import SpilledLogits, reference_logits, sample_prompts
+    from exporters.logits import SpilledLogits, reference_logits, sample_prompts
 
     lm = tiny_model("llama")
     ids = sample_prompts(lm, None)

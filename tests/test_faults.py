@@ -129,9 +129,9 @@ def test_the_up_front_estimate_is_what_is_written_and_admits_a_disk_that_suffice
     from tiny import tiny_model
 
     from exporters.export import export_bytes
-    from prune_heads.diskspace import with_margin
     from prune_heads.heads import HeadSet
-    from prune_heads.planning import planner_for
+    from prune_heads.io.diskspace import with_margin
+    from prune_heads.plan.planner import planner_for
 
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"0": [0, 3], "2": [1, 2, 4, 5]}))
@@ -219,9 +219,9 @@ def test_a_layer_left_with_no_heads_exports_in_every_family(family, mmlu, tmp_pa
     from tiny import tiny_model
     from transformers import AutoModelForCausalLM
 
-    from prune_heads.ablation import ablate
     from prune_heads.heads import HeadSet
-    from prune_heads.planning import planner_for
+    from prune_heads.plan.ablation import ablate
+    from prune_heads.plan.planner import planner_for
 
     model = save_tiny(tmp_path / "m", family)
     heads = tmp_path / "heads.json"

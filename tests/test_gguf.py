@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny import run_cli, save_tiny, tiny_model
 
-from exporters import llamacpp
-from exporters.gguf_file import interleave_rope_rows, pre_tokenizer_name
+from exporters.gguf import llamacpp
+from exporters.gguf.writer import interleave_rope_rows, pre_tokenizer_name
 from prune_heads.errors import UserError
 
 if not llamacpp.available() and os.environ.get("PRUNE_HEADS_REQUIRE_LLAMA_CPP"):
@@ -64,8 +64,8 @@ def _export(model_dir, tmp_path, capsys, heads: dict, *extra, code=0, name="out"
 def _llama_cpp_logit_diff(family: str, out, heads: dict) -> float:
     """Our own check, independent of the exporter's: llama.cpp's logits on random prompts against the ablated
     transformers model, max |diff|."""
-    from prune_heads.ablation import ablate
     from prune_heads.heads import HeadSet
+    from prune_heads.plan.ablation import ablate
 
     lm = tiny_model(family)
     ids = torch.randint(4, 384, (3, 48), generator=torch.Generator().manual_seed(7))
@@ -77,8 +77,8 @@ def _llama_cpp_logit_diff(family: str, out, heads: dict) -> float:
 
 def _llama_cpp_matches_the_ablation(family: str, out, heads: dict, atol: float):
     """As above, and every position's argmax the same."""
-    from prune_heads.ablation import ablate
     from prune_heads.heads import HeadSet
+    from prune_heads.plan.ablation import ablate
 
     lm = tiny_model(family)
     ids = torch.randint(4, 384, (3, 48), generator=torch.Generator().manual_seed(7))
@@ -152,7 +152,7 @@ def test_without_llama_cpp_the_file_is_written_and_marked_unverified(tmp_path, c
 
 @needs_llama
 def test_a_gguf_that_does_not_match_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import exporters.gguf_file as gguf_file
+    import exporters.gguf.writer as gguf_file
 
     monkeypatch.setattr(gguf_file, "interleave_rope_rows", lambda w, n: w)  # the rotation pairs left wrong
     model_dir = save_tiny(tmp_path / "model", "llama")

@@ -8,9 +8,9 @@ from test_mmlu import _cais_file
 from tiny import CORPUS, run_cli, save_tiny, tiny_model
 
 from prune_heads.heads import HeadSet
-from prune_heads.healing import HealConfig, dead_head_slots, heal
-from prune_heads.planning import Planner
-from prune_heads.pruning import pruned_copy
+from prune_heads.plan.healing import HealConfig, dead_head_slots, heal
+from prune_heads.plan.planner import Planner
+from prune_heads.plan.slicing import pruned_copy
 
 
 def pruned_tiny(layout="uniform"):

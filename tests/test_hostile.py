@@ -15,8 +15,8 @@ from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny
 
 from prune_heads.errors import UserError
-from prune_heads.readers import read_heads, read_recipe
-from prune_heads.search import Budget
+from prune_heads.io.readers import read_heads, read_recipe
+from prune_heads.search.prefixes import Budget
 
 
 def _snapshot(directory):

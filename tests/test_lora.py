@@ -8,9 +8,9 @@ from tiny import tiny_model
 
 from exporters.export import export_pruned
 from exporters.lora import slice_adapter
-from prune_heads.ablation import ablate
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
+from prune_heads.plan.ablation import ablate
 from prune_heads_cli.main import main
 
 
@@ -103,7 +103,7 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     full = PeftModel.from_pretrained(base, out / "adapter")
     merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device)
     from prune_heads.heads import HeadSet
-    from prune_heads.planning import Planner
+    from prune_heads.plan.planner import Planner
 
     heads = HeadSet.load(out / "heads.json")
     plan = Planner(merged.arch.geometries(merged.model), merged.arch, merged.config, 4).choose(heads, "auto").plan

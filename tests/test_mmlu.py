@@ -7,7 +7,7 @@ from tiny import tiny_model
 from prune_heads.data.mmlu import build_prompt, load_mmlu
 from prune_heads.data.tasks import Question, Subject
 from prune_heads.errors import UserError
-from prune_heads.evaluation import encode_task, evaluate, evaluate_many, evaluate_reference, paired_delta
+from prune_heads.eval.passes import encode_task, evaluate, evaluate_many, evaluate_reference, paired_delta
 from prune_heads.heads import HeadSet
 
 
@@ -103,7 +103,7 @@ def test_dynamic_masks_group_by_question_and_match_reference(tmp_path):
 
 
 def test_paired_delta_and_confidence_interval_by_hand():
-    from prune_heads.evaluation import EvalResult
+    from prune_heads.eval.passes import EvalResult
 
     qs = [q(i, "x", ["a", "b", "c", "d"], 0) for i in range(4)]
     base = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0]]))
@@ -115,7 +115,7 @@ def test_paired_delta_and_confidence_interval_by_hand():
 
 
 def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
-    from prune_heads.evaluation import evaluate_many
+    from prune_heads.eval.passes import evaluate_many
 
     lm = tiny_model("qwen2")
     enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=9))))
@@ -128,9 +128,9 @@ def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
 
 
 def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one_pass(tmp_path):
-    from prune_heads.evaluation import split_blocks
-    from prune_heads.fileio import StagedDirectory
-    from prune_heads.work import Work
+    from prune_heads.eval.passes import split_blocks
+    from prune_heads.eval.work import Work
+    from prune_heads.io.files import StagedDirectory
 
     lm = tiny_model("mistral")
     enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=5, per_subject=8))))
@@ -160,9 +160,9 @@ def test_question_passes_run_in_a_cache_reserved_once_per_subject_with_the_same_
     pass writes in place and is cropped back (no cache allocated per pass, the buffers never move), with the numbers
     of a fresh copy of the prefix per chunk, for one head set and for several in the same passes (the last chunk
     padded). A sliding-window cache (Gemma-2) may drop prefix states: copied per chunk."""
-    import prune_heads.evaluation as ev
-    from prune_heads.batching import PassBudget
-    from prune_heads.prefix_cache import ReservedLayer
+    import prune_heads.eval.passes as ev
+    from prune_heads.eval.prefix_cache import ReservedLayer
+    from prune_heads.models.batching import PassBudget
 
     lm = tiny_model(family)
     enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=2, per_subject=9))))

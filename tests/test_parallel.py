@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from test_mmlu import _cais_file
 from tiny import save_tiny
 
-from prune_heads.parallel import Ranks
+from prune_heads.io.parallel import Ranks
 
 TESTS = Path(__file__).parent
 TIMING = {"seconds", "speed"}  # wall-clock figures differ between any two runs

@@ -116,7 +116,7 @@ def test_the_heap_policy_is_set_unless_the_user_set_mallocs_thresholds(monkeypat
     the user set in the environment wins (glibc read it at start), and trimming is always safe to call."""
     import ctypes.util
 
-    from prune_heads.heap import USER_HEAP_SETTINGS, release_free, steady_heap, trim_heap
+    from prune_heads_cli.memory import USER_HEAP_SETTINGS, release_free, steady_heap, trim_heap
 
     for name in USER_HEAP_SETTINGS:
         monkeypatch.delenv(name, raising=False)
@@ -132,7 +132,7 @@ def test_free_heap_pages_are_handed_back_after_each_layer_only_inside_the_contex
     hooks gone (a task pass on the exported model runs inside it, layer by layer)."""
     import torch
 
-    import prune_heads.heap as heap
+    import prune_heads_cli.memory as heap
 
     calls = []
     monkeypatch.setattr(heap, "release_free", lambda: calls.append(1))

@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny import FAMILIES, tiny_model
 
-from prune_heads import attention_stats
 from prune_heads.heads import BASE_KEYS, SCORE_KEYS
-from prune_heads.scoring import eager_attention, score_heads
+from prune_heads.scoring import attention_stats
+from prune_heads.scoring.hooks import eager_attention, score_heads
 
 
 def _values(lm, ids):

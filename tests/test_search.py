@@ -3,9 +3,9 @@ import torch
 
 from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
-from prune_heads.evaluation import EvalResult
+from prune_heads.eval.passes import EvalResult
 from prune_heads.heads import HeadSet
-from prune_heads.search import Budget, search_budget
+from prune_heads.search.prefixes import Budget, search_budget
 
 
 @pytest.mark.parametrize("text,points", [("1%", 1.0), ("0.5", 0.5), ("2pt", 2.0), (" 1.5 % ", 1.5), ("3 points", 3.0), (".5", 0.5)])
@@ -77,7 +77,7 @@ def test_budget_unit_must_match_metric():
 
 
 def test_answer_kl_and_agreement_by_hand():
-    from prune_heads.evaluation import agreement, answer_kl
+    from prune_heads.eval.passes import agreement, answer_kl
 
     base = EvalResult(QS[:2], torch.log(torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])))
     abl = EvalResult(QS[:2], torch.log(torch.tensor([[0.4, 0.4, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])) + 3.0)
@@ -108,7 +108,7 @@ def test_kl_budget_drives_the_search():
 
 
 def test_decided_over_budget_uses_the_ci_of_the_questions_so_far():
-    from prune_heads.search import decided_over_budget
+    from prune_heads.search.prefixes import decided_over_budget
 
     qs = QS[:40]
     base = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0]] * 40))  # all right

@@ -9,9 +9,9 @@ from tiny import run_cli, save_tiny
 
 from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
-from prune_heads.evaluation import EvalResult
+from prune_heads.eval.passes import EvalResult
 from prune_heads.heads import ScoreTable
-from prune_heads.study import max_within, normalised_auc, run_study, thresholds
+from prune_heads.report.study import max_within, normalised_auc, run_study, thresholds
 
 
 @pytest.mark.parametrize("direction", ["low", "high"])
@@ -112,7 +112,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys, monkeypatch):
-    import prune_heads.work as work
+    import prune_heads.eval.work as work
 
     mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=9)
     out = tmp_path / "study"
@@ -158,7 +158,7 @@ def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys,
 
 
 def test_study_ranking_correlation_by_hand():
-    from prune_heads.compare import study_ranking_correlation
+    from prune_heads.report.compare import study_ranking_correlation
 
     a = {"ranking": {"dynamic": ["x", "y", "z", "w"], "random": ["random"]}}
     b = {"ranking": {"dynamic": ["y", "x", "z", "v"]}}
@@ -182,7 +182,7 @@ def test_study_on_another_task(model_dir, tmp_path, capsys):
 
 
 def _curve(function: str, correct_by_zeroed: dict[float, torch.Tensor]):
-    from prune_heads.study import Curve, StudyPoint
+    from prune_heads.report.study import Curve, StudyPoint
 
     points = [StudyPoint(function, "static", x, None, x, float(c.mean()), {}, 0.0, 1.0, c.double())
               for x, c in correct_by_zeroed.items()]
@@ -190,7 +190,7 @@ def _curve(function: str, correct_by_zeroed: dict[float, torch.Tensor]):
 
 
 def test_bootstrap_interval_equals_a_naive_resample_and_says_which_functions_tie():
-    from prune_heads.study import bootstrap_max_within, markdown, summarise
+    from prune_heads.report.study import bootstrap_max_within, markdown, summarise
 
     g = torch.Generator().manual_seed(0)
     n = 600

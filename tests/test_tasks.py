@@ -8,11 +8,10 @@ import torch
 from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny, tiny_model
 
-from prune_heads.ablation import ablate
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import TASKS, Question, load_task
 from prune_heads.errors import UserError
-from prune_heads.evaluation import (
+from prune_heads.eval.passes import (
     EvalResult,
     answer_kl,
     encode_task,
@@ -22,6 +21,7 @@ from prune_heads.evaluation import (
     next_token_kl,
 )
 from prune_heads.heads import HeadSet
+from prune_heads.plan.ablation import ablate
 
 # --- fixture files in the Hub schemas -----------------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny, tiny_model
 
 from prune_heads.heads import HeadSet
-from prune_heads.planning import Planner, plan_masked, shipped
-from prune_heads.search import Budget, search_budget
-from prune_heads.units import UnitRanking, gqa_units
+from prune_heads.plan.planner import Planner, plan_masked, shipped
+from prune_heads.search.prefixes import Budget, search_budget
+from prune_heads.search.units import UnitRanking, gqa_units
 
 
 def _planner(lm):
@@ -73,8 +73,8 @@ def test_unit_order_respects_layers_and_scores():
 def test_objective_picks_the_passing_point_that_ships_the_most():
     """A per-head ranking whose larger prefix saves less in the export than a smaller one: --objective params picks
     the smaller, --objective heads (the paper's) the larger."""
-    from prune_heads.evaluation import EvalResult
-    from prune_heads.planning import objective_value
+    from prune_heads.eval.passes import EvalResult
+    from prune_heads.plan.planner import objective_value
 
     lm = tiny_model("llama")
     planner = _planner(lm)
@@ -147,7 +147,7 @@ def test_kv_cache_objective_removes_whole_groups(model_dir, tmp_path, capsys):
 def test_uniform_search_ships_a_stock_config_equal_to_the_verified_ablation(model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from prune_heads.ablation import ablate
+    from prune_heads.plan.ablation import ablate
 
     out, report = _run(model_dir, tmp_path, capsys, "--layout", "uniform")
     config = json.loads((out / "config.json").read_text())

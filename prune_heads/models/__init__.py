@@ -1,6 +1,6 @@
 """Model loading and the per-family architecture adapters."""
-from .adapters import ADAPTERS, ArchAdapter, adapter_for, supported_model_types
-from .loading import LoadedModel, load_model
+from prune_heads.models.adapters import ADAPTERS, ArchAdapter, adapter_for, supported_model_types
+from prune_heads.models.loading import LoadedModel, load_model
 
 __all__ = [
     "ADAPTERS",

@@ -16,8 +16,8 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-from ..errors import UserError
-from ..geometry import HeadGeometry, frozen_linear, head_rows
+from prune_heads.errors import UserError
+from prune_heads.models.geometry import HeadGeometry, frozen_linear, head_rows
 
 
 class ArchAdapter:

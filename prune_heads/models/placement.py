@@ -11,8 +11,8 @@ import re
 import torch
 from torch import nn
 
-from ..errors import UserError
-from ..heap import trim_heap
+from prune_heads.errors import UserError
+from prune_heads_cli.memory import trim_heap
 
 
 def live_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
@@ -46,7 +46,7 @@ def device_map_option(value: str | None):
     """``--device-map``: one of accelerate's strategies, or a JSON file mapping module names to devices."""
     if value is None or value in PLACEMENTS:
         return value
-    from ..readers import read_json
+    from prune_heads.io.readers import read_json
 
     mapping = read_json(value, "device map")
     if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))

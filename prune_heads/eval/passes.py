@@ -1,0 +1,621 @@
+"""Multiple-choice log-likelihood evaluation (MMLU 5-shot and the other tasks of data/tasks.py), as
+lm-evaluation-harness computes it, with and without ablation.
+
+Tokenisation follows lm-eval's HFLM: trailing spaces of the context move to the continuation, ``context_enc =
+enc(context)``, ``continuation_enc = enc(context + continuation)[len(context_enc):]``, no special tokens (BOS only
+where the family needs it), and the model reads ``(context_enc + continuation_enc)[:-1]``.
+
+Three paths compute the same numbers:
+- ``evaluate_reference``: one full sequence per question and choice, nothing shared (the definition);
+- ``evaluate``, fast path: within a subject every MMLU prompt starts with the same description and five
+  exemplars, so their KV cache is computed once per subject and ablation mask, and only the question tokens run on
+  top of it, in batches; only the answer position's logits are computed;
+- ``evaluate``, batched path: questions whose tokens do not extend a shared prefix or whose answers span several
+  tokens (the cloze tasks), and per-question ablation masks (dynamic ablation). A question's choices share its
+  context: it runs once into a KV cache and the choices run on top (WinoGrande's per-choice contexts instead go as
+  (context, continuation) requests in right-padded batches, each row with its own mask, logits only at the
+  continuation positions).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from prune_heads.data.tasks import LETTERS, TASKS, Question, TaskData
+from prune_heads.errors import UserError
+from prune_heads.eval.prefix_cache import expanded, reservable, reserve
+from prune_heads.heads import HeadSet
+from prune_heads.models.batching import pass_budget, text_batches
+from prune_heads.models.loading import LoadedModel
+from prune_heads.plan.ablation import HeadAblation, mask_for
+from prune_heads.plan.planner import PrunePlan
+from prune_heads_cli.memory import release_free, released_after_each
+
+
+def encode(lm: LoadedModel, text: str) -> list[int]:
+    """``text`` as the model's token ids (BOS first for the families lm-eval gives one); a tokenizer that produces
+    an id the embedding has no row for is refused before any pass."""
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if lm.arch.add_bos_for_eval and lm.tokenizer.bos_token_id is not None:
+        ids = [lm.tokenizer.bos_token_id] + ids
+    rows = lm.model.get_input_embeddings().num_embeddings
+    if ids and max(ids) >= rows:
+        raise UserError(f"the tokenizer of {lm.source.spec} produces token id {max(ids)} (its vocabulary has "
+                        f"{len(lm.tokenizer):,} tokens), but the model's embedding has {rows:,} rows: the tokenizer "
+                        "does not belong to these weights; pass the model's own tokenizer files")
+    return ids
+
+
+def encode_pair(lm: LoadedModel, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's ``_encode_pair``: trailing spaces of the context belong to the continuation."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+    context_enc = encode(lm, context)
+    return context_enc, encode(lm, context + continuation)[len(context_enc):]
+
+
+@dataclass
+class EncodedQuestion:
+    question: Question
+    context: list[int]  # the context of every choice (WinoGrande: of the first; see contexts)
+    continuations: list[list[int]]  # one per choice
+    fast: bool  # context extends the subject prefix and every continuation is one token
+    contexts: list[list[int]] | None = None  # one per choice where they differ (WinoGrande's partial evaluation)
+
+    def request(self, choice: int) -> tuple[list[int], list[int]]:
+        return (self.contexts[choice] if self.contexts else self.context), self.continuations[choice]
+
+
+@dataclass
+class EncodedSubject:
+    name: str
+    prefix: list[int]
+    items: list[EncodedQuestion]
+
+
+@dataclass
+class EncodedTask:
+    subjects: list[EncodedSubject]
+    task: str = "mmlu"
+
+    @property
+    def items(self) -> list[EncodedQuestion]:
+        return [it for s in self.subjects for it in s.items]
+
+    @property
+    def num_choices(self) -> int:
+        return max((len(it.continuations) for it in self.items), default=4)
+
+    def __len__(self) -> int:
+        return sum(len(s.items) for s in self.subjects)
+
+
+def split_blocks(enc: EncodedTask, blocks: int) -> list[EncodedTask]:
+    """``blocks`` parts of the task for sequential evaluation: subjects dealt round-robin, so every part samples the
+    whole range of subjects (a task with one subject is cut into runs of questions)."""
+    if len(enc.subjects) >= blocks:
+        return [EncodedTask(enc.subjects[b::blocks], enc.task) for b in range(blocks)]
+    parts = []
+    for b in range(blocks):
+        subjects = [EncodedSubject(s.name, s.prefix, s.items[b::blocks]) for s in enc.subjects]
+        parts.append(EncodedTask([s for s in subjects if s.items], enc.task))
+    return [p for p in parts if len(p)]
+
+
+def task_span(enc: EncodedTask, lo: int, hi: int) -> EncodedTask:
+    """Questions ``lo`` to ``hi`` of the task (in ``items`` order), each subject keeping its shared prefix."""
+    subjects, offset = [], 0
+    for s in enc.subjects:
+        a, b = max(lo - offset, 0), min(hi - offset, len(s.items))
+        if a < b:
+            subjects.append(EncodedSubject(s.name, s.prefix, s.items[a:b]))
+        offset += len(s.items)
+    return EncodedTask(subjects, enc.task)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode_task(lm: LoadedModel, data: TaskData) -> EncodedTask:
+    fmt = TASKS[data.task]
+    subjects = []
+    for subject in data.subjects:
+        prefix_text = fmt.prefix(subject)
+        prefix = encode(lm, prefix_text) if prefix_text else []
+        items, shared = [], len(prefix)
+        for q in subject.questions:
+            pairs = [encode_pair(lm, c, cont) for c, cont in fmt.requests(subject, q)]
+            contexts = [p[0] for p in pairs]
+            same = all(c == contexts[0] for c in contexts)
+            item = EncodedQuestion(q, contexts[0], [p[1] for p in pairs], same and all(len(p[1]) == 1 for p in pairs),
+                                   None if same else contexts)
+            items.append(item)
+            # The prefix's last tokens can merge differently once the question follows ("\n\n" vs "\n","\n"), so
+            # share only the tokens every context really starts with.
+            shared = min(shared, _common_prefix_len(prefix, item.context), len(item.context) - 1)
+        for it in items:
+            it.fast = it.fast and shared > 0
+        subjects.append(EncodedSubject(subject.name, prefix[: max(shared, 0)], items))
+    return EncodedTask(subjects, data.task)
+
+
+@dataclass
+class EvalResult:
+    """Per-question log-likelihoods of the choices, in question order (-inf pads questions with fewer choices)."""
+
+    questions: list[Question]
+    loglik: torch.Tensor  # [N, C] float64
+    label: str = ""
+    meta: dict = field(default_factory=dict)  # extra measurements of the same ablation (kl_text: next-token KL)
+
+    @property
+    def gold(self) -> torch.Tensor:
+        return torch.tensor([q.gold for q in self.questions])
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """What the prediction maximises: the log-likelihood (acc), or per character of the choice (acc_norm)."""
+        if not self.questions or self.questions[0].norm_lengths is None:
+            return self.loglik
+        lengths = torch.ones_like(self.loglik)
+        for i, q in enumerate(self.questions):
+            lengths[i, : len(q.norm_lengths)] = torch.tensor(q.norm_lengths, dtype=torch.float64).clamp(min=1.0)
+        return self.loglik / lengths
+
+    @property
+    def pred(self) -> torch.Tensor:
+        return self.scores.argmax(dim=-1)
+
+    @property
+    def correct(self) -> torch.Tensor:
+        return (self.pred == self.gold).double()
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.correct.mean()) if len(self.questions) else float("nan")
+
+    def rows(self) -> list[dict]:
+        return [
+            {
+                "subject": q.subject,
+                "index": q.index,
+                "gold": LETTERS[q.gold],
+                "pred": LETTERS[int(p)],
+                "loglik": [round(float(x), 6) for x in ll[: len(q.choices)]],
+            }
+            for q, p, ll in zip(self.questions, self.pred, self.loglik)
+        ]
+
+
+def empty_loglik(enc: "EncodedTask", *leading: int) -> torch.Tensor:
+    return torch.full((*leading, len(enc), enc.num_choices), float("-inf"), dtype=torch.float64)
+
+
+def _store(loglik: torch.Tensor, row: int, values: Sequence[float]) -> None:
+    loglik[row, : len(values)] = torch.tensor(values, dtype=torch.float64)
+
+
+# A mask provider: None (no ablation), one HeadSet / PrunePlan / [L, H] tensor for every question, a
+# [N, L, H] tensor, or a per-question function ``question_index -> [L, H] tensor`` (dynamic ablation).
+MaskSpec = HeadSet | PrunePlan | torch.Tensor | Callable[[int], torch.Tensor] | None
+
+
+def _mask_getter(lm: LoadedModel, masks: MaskSpec) -> Callable[[int], torch.Tensor | None]:
+    if masks is None:
+        return lambda i: None
+    if isinstance(masks, HeadSet):
+        m = mask_for(lm, masks)
+        return lambda i: m
+    if isinstance(masks, PrunePlan):
+        return lambda i: masks
+    if isinstance(masks, torch.Tensor):
+        return (lambda i: masks[i]) if masks.dim() == 3 else (lambda i: masks)
+    return masks
+
+
+def _per_question(masks: MaskSpec) -> bool:
+    """A mask per question: a [N, L, H] tensor or a function of the question index."""
+    if isinstance(masks, torch.Tensor):
+        return masks.dim() == 3
+    return callable(masks) and not isinstance(masks, (HeadSet, PrunePlan))
+
+
+def _logprobs_at(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+@torch.no_grad()
+def _reference_loglik(lm: LoadedModel, item: EncodedQuestion) -> list[float]:
+    """The definition: for each choice, run (context + continuation)[:-1] and sum the continuation's log-probs."""
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+    out = []
+    for choice in range(len(item.continuations)):
+        context, cont = item.request(choice)
+        full = context + cont
+        inp = tuple(full[:-1])
+        if inp not in seen:
+            logits = lm.model(input_ids=torch.tensor([inp], device=lm.device), use_cache=False).logits[0]
+            seen[inp] = _logprobs_at(logits)
+        lp = seen[inp]
+        start = len(context) - 1
+        out.append(float(sum(lp[start + j, tok] for j, tok in enumerate(cont))))
+    return out
+
+
+def evaluate_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = None, progress: bool = False,
+                       label: str = "") -> EvalResult:
+    get_mask = _mask_getter(lm, masks)
+    items = enc.items
+    loglik = empty_loglik(enc)
+    with HeadAblation(lm) as abl:
+        for i, item in enumerate(tqdm(items, desc="MMLU (reference)", disable=not progress)):
+            abl.set_mask(get_mask(i))
+            _store(loglik, i, _reference_loglik(lm, item))
+    return EvalResult([it.question for it in items], loglik, label)
+
+
+@torch.no_grad()
+def _batched_loglik(
+    lm: LoadedModel,
+    items: Sequence[EncodedQuestion],
+    batch_size: int,
+    abl=None,
+    row_masks: Sequence[torch.Tensor] | None = None,
+) -> list[list[float]]:
+    """Every (context, continuation) request of ``items`` in right-padded batches, longest first; with ``row_masks``
+    (one [L, H] mask per item) each row is ablated with its own question's mask. Logits are computed only at the
+    positions that predict continuation tokens."""
+    out = [[0.0] * len(it.continuations) for it in items]
+    separate = []
+    for i, it in enumerate(items):
+        if it.contexts is None and len(it.context) >= 2:
+            out[i] = _shared_context_loglik(lm, it, abl, None if row_masks is None else row_masks[i])
+        else:
+            separate.append(i)
+    requests = []  # (item, choice, model input, continuation, position predicting its first token)
+    for i in separate:
+        it = items[i]
+        for c in range(len(it.continuations)):
+            context, cont = it.request(c)
+            requests.append((i, c, (context + cont)[:-1], cont, len(context) - 1))
+    order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))
+    dev = lm.device
+    for start in range(0, len(order), batch_size):
+        chunk = [requests[r] for r in order[start : start + batch_size]]
+        ids = torch.zeros(len(chunk), max(len(r[2]) for r in chunk), dtype=torch.long)
+        for row, r in enumerate(chunk):
+            ids[row, : len(r[2])] = torch.tensor(r[2])
+        if row_masks is not None:
+            abl.set_mask(torch.stack([row_masks[r[0]] for r in chunk]))
+        keep = sorted({r[4] + j for r in chunk for j in range(len(r[3]))})
+        where = {p: k for k, p in enumerate(keep)}
+        # Right padding needs no attention mask: under the causal mask, pads after a row's last real token never
+        # reach it.
+        logits = lm.model(input_ids=ids.to(dev), use_cache=False, logits_to_keep=torch.tensor(keep, device=dev)).logits
+        for row, (i, c, _, cont, first) in enumerate(chunk):
+            lp = _logprobs_at(logits[row, [where[first + j] for j in range(len(cont))]])  # [len(cont), V]
+            out[i][c] = float(lp[torch.arange(len(cont)), torch.tensor(cont)].sum())
+    return out
+
+
+@torch.no_grad()
+def _shared_context_loglik(
+    lm: LoadedModel, item: EncodedQuestion, abl=None, mask: torch.Tensor | None = None
+) -> list[float]:
+    """One question whose choices share its context: the context (but its last token) runs once into a KV cache,
+    then every choice's ``[last context token] + continuation[:-1]`` runs on top of it, one row per choice (right
+    padding after a row's tokens cannot reach them). ``mask``: this question's own [L, H] ablation."""
+    dev, n = lm.device, len(item.continuations)
+    if mask is not None:
+        abl.set_mask(mask[None])
+    cache = lm.model(input_ids=torch.tensor([item.context[:-1]], device=dev), use_cache=True, logits_to_keep=1).cache
+    rows = [[item.context[-1]] + cont[:-1] for cont in item.continuations]
+    ids = torch.zeros(n, max(len(r) for r in rows), dtype=torch.long)
+    for c, r in enumerate(rows):
+        ids[c, : len(r)] = torch.tensor(r)
+    if mask is not None:
+        abl.set_mask(mask[None].expand(n, *mask.shape))
+    logits = lm.model(input_ids=ids.to(dev), cache=expanded(cache, n), use_cache=True).logits  # [n, width, V]
+    out = []
+    for c, cont in enumerate(item.continuations):
+        lp = _logprobs_at(logits[c, : len(cont)])
+        out.append(float(lp[torch.arange(len(cont)), torch.tensor(cont)].sum()))
+    return out
+
+
+@torch.no_grad()
+def _fast_subject(
+    lm: LoadedModel,
+    subject: EncodedSubject,
+    rows: Sequence[int],
+    batch_size: int,
+    abl: "HeadAblation | None" = None,
+    masks: torch.Tensor | None = None,
+) -> list[dict[int, list[float]]]:
+    """Log-likelihoods for ``rows`` (indices into subject.items), one dict per head set.
+
+    ``masks`` None: one set, the ablation the caller has already set. ``masks`` [n, L, H]: n static head sets in
+    the same passes (row ``s`` of the prefix batch carries set ``s``; question chunks are laid out set-major)."""
+    n = 1 if masks is None else masks.shape[0]
+    if masks is not None:
+        abl.set_mask(masks)
+    # Activations in host memory only: on an accelerator the C heap holds none of them.
+    with released_after_each(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()):
+        return _subject_passes(lm, subject, rows, batch_size, n, abl, masks)
+
+
+def _subject_passes(lm, subject, rows, batch_size, n, abl, masks) -> list[dict[int, list[float]]]:
+    """``_fast_subject``'s passes: the prefix once (n rows), then the questions in chunks on its KV cache."""
+    model, dev = lm.model, lm.device
+    cache = model(input_ids=torch.tensor([subject.prefix] * n, device=dev), use_cache=True, logits_to_keep=1).cache
+    p = len(subject.prefix)
+    order = sorted(rows, key=lambda r: -len(subject.items[r].context))
+    longest = len(subject.items[order[0]].context) - p
+    # Every row of a chunk holds its own copy of the prefix's KV cache: as many rows as the pass budget allows.
+    chunk_size = max(1, min(batch_size, pass_budget(lm).cached_rows(p + longest, batch_size)) // n)
+    widest, reserved = min(chunk_size, len(order)), reservable(cache)
+    if reserved:  # one buffer per layer for the whole subject; with n sets every chunk fills it (padded)
+        reserve(cache, n * widest, p + longest)
+    out: list[dict[int, list[float]]] = [{} for _ in range(n)]
+    for start in range(0, len(order), chunk_size):
+        chunk = order[start : start + chunk_size]
+        padded = chunk + chunk[-1:] * (widest - len(chunk)) if reserved and n > 1 else chunk
+        ids, lengths = _suffix_ids(subject, padded, n, p)
+        if masks is not None:
+            abl.set_mask(masks.repeat_interleave(len(padded), dim=0))
+        # Right padding needs no attention mask: under the causal mask, pads after a row's last real token
+        # never reach it. Logits are computed only at the positions where some row ends.
+        ends = sorted(set(m - 1 for m in lengths))
+        logits = model(
+            input_ids=ids.to(dev),
+            cache=cache if reserved else expanded(cache, len(padded)),
+            use_cache=True,
+            logits_to_keep=torch.tensor(ends, device=dev),
+        ).logits  # [n*c, len(ends), V]
+        if reserved:
+            cache.crop(-ids.shape[1])
+        release_free()
+        for s in range(n):
+            for q, r in enumerate(chunk):
+                lp = _logprobs_at(logits[s * len(padded) + q, ends.index(lengths[q] - 1)])
+                out[s][r] = [float(lp[t[0]]) for t in subject.items[r].continuations]
+    return out
+
+
+def _suffix_ids(subject: EncodedSubject, chunk: Sequence[int], n: int, p: int) -> tuple[torch.Tensor, list[int]]:
+    """``[n * len(chunk), longest]`` right-padded question tokens after the prefix (set-major), and their lengths."""
+    suffixes = [subject.items[r].context[p:] for r in chunk]
+    lengths = [len(x) for x in suffixes]
+    c = len(chunk)
+    ids = torch.zeros(n * c, max(lengths), dtype=torch.long)
+    for s in range(n):
+        for q, x in enumerate(suffixes):
+            ids[s * c + q, : len(x)] = torch.tensor(x)
+    return ids, lengths
+
+
+class _NoAblation:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def set_mask(self, mask):
+        assert mask is None
+
+
+def evaluate(
+    lm: LoadedModel,
+    enc: EncodedTask,
+    masks: MaskSpec = None,
+    batch_size: int = 8,
+    progress: bool = True,
+    label: str = "",
+) -> EvalResult:
+    """``masks`` as in MaskSpec. One mask for every question: the fast path per subject (shared prefix), the batched
+    path for the questions it cannot take. A mask per question (dynamic ablation): the batched path, row by row."""
+    get_mask = _mask_getter(lm, masks)
+    loglik = empty_loglik(enc)
+    items = enc.items
+    desc = f"{enc.task} {label}".strip()
+    # No hooks at all when nothing is ablated (the model may not even have per-layer attention, e.g. skipped layers).
+    with HeadAblation(lm) if masks is not None else _NoAblation() as abl:
+        if _per_question(masks):
+            row_masks = [get_mask(i).to(torch.float32) for i in range(len(items))]
+            for i, ll in enumerate(_batched_all(lm, items, batch_size, abl, row_masks, progress, desc)):
+                _store(loglik, i, ll)
+            return EvalResult([it.question for it in items], loglik, label)
+        abl.set_mask(get_mask(0))
+        offset, slow = 0, []
+        for subject in tqdm(
+            enc.subjects, desc=desc, unit="subject", disable=not progress or len(enc.subjects) < 2, leave=False
+        ):
+            fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
+            results = _fast_subject(lm, subject, fast_rows, batch_size)[0] if fast_rows else {}
+            for r, ll in results.items():
+                _store(loglik, offset + r, ll)
+            slow += [offset + r for r, it in enumerate(subject.items) if not it.fast]
+            offset += len(subject.items)
+        if slow:
+            for i, ll in zip(slow, _batched_all(lm, [items[i] for i in slow], batch_size, abl, None, progress, desc)):
+                _store(loglik, i, ll)
+    return EvalResult([it.question for it in items], loglik, label)
+
+
+def _batched_all(lm, items, batch_size, abl, row_masks, progress, desc) -> list[list[float]]:
+    """``_batched_loglik`` in blocks of questions, with a progress bar."""
+    if not items:
+        return []
+    block = max(1, 16 * batch_size // max(1, max(len(it.continuations) for it in items)))
+    out: list[list[float]] = []
+    bar = tqdm(total=len(items), desc=desc, unit="question", disable=not progress, leave=False)
+    for start in range(0, len(items), block):
+        part = items[start : start + block]
+        masks = row_masks[start : start + block] if row_masks is not None else None
+        out += _batched_loglik(lm, part, batch_size, abl, masks)
+        bar.update(len(part))
+    bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def indistinguishable_from_chance(result: EvalResult, chance: float = 0.25) -> bool:
+    lo, hi = wilson_interval(float(result.correct.sum()), len(result.questions))
+    return lo <= chance <= hi
+
+
+@dataclass(frozen=True)
+class PairedDelta:
+    """Ablated minus baseline accuracy on the same questions, in accuracy points, with a 95% CI."""
+
+    delta: float
+    ci_low: float
+    ci_high: float
+    n: int
+
+    def to_json(self) -> dict:
+        return {
+            "delta_points": round(self.delta, 4),
+            "ci95_points": [round(self.ci_low, 4), round(self.ci_high, 4)],
+            "n": self.n,
+        }
+
+
+def restricted(baseline: EvalResult, result: EvalResult) -> EvalResult:
+    """``baseline`` on exactly ``result``'s questions, in its order (a point stopped early covers only some)."""
+    if len(result.questions) == len(baseline.questions):
+        return baseline
+    position = {(q.subject, q.index): i for i, q in enumerate(baseline.questions)}
+    rows = torch.tensor([position[(q.subject, q.index)] for q in result.questions])
+    return EvalResult(result.questions, baseline.loglik[rows], baseline.label, baseline.meta)
+
+
+def in_order_of(reference: EvalResult, result: EvalResult) -> EvalResult:
+    """``result`` (the same questions in another order) laid out in ``reference``'s question order."""
+    position = {(q.subject, q.index): i for i, q in enumerate(result.questions)}
+    rows = torch.tensor([position[(q.subject, q.index)] for q in reference.questions])
+    return EvalResult(reference.questions, result.loglik[rows], result.label, result.meta)
+
+
+def answer_kl(ablated: EvalResult, baseline: EvalResult) -> torch.Tensor:
+    """Per question, KL(unablated || ablated) in nats between the two models' distributions over the choices (each
+    model's log-likelihoods of the choices renormalised over them: the four answer letters for MMLU)."""
+    p = torch.log_softmax(baseline.loglik.double(), dim=-1)
+    q = torch.log_softmax(ablated.loglik.double(), dim=-1)
+    terms = torch.where(torch.isfinite(p), p.exp() * (p - q), torch.zeros_like(p))  # -inf pads: missing choices
+    return terms.sum(-1).clamp(min=0.0)
+
+
+def agreement(ablated: EvalResult, baseline: EvalResult) -> float:
+    return float((ablated.pred == baseline.pred).double().mean())
+
+
+def paired_delta(ablated: EvalResult, baseline: EvalResult, z: float = 1.96) -> PairedDelta:
+    d = (ablated.correct - baseline.correct) * 100.0
+    n = d.numel()
+    mean = float(d.mean())
+    se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
+    return PairedDelta(mean, mean - z * se, mean + z * se, n)
+
+
+@torch.no_grad()
+def evaluate_many(
+    lm: LoadedModel,
+    enc: EncodedTask,
+    head_sets: Sequence[HeadSet],
+    batch_size: int = 8,
+    progress: bool = True,
+    label: str = "",
+) -> list[EvalResult]:
+    """Evaluate several static head sets in the same forward passes: row ``s`` of every batch carries head set
+    ``s``'s mask (the ablation is per row). Per subject, one prefix pass of ``len(head_sets)`` rows, then each
+    chunk of questions for every set at once. Same numbers as ``evaluate`` once per set."""
+    n = len(head_sets)
+    masks = torch.stack([mask_for(lm, hs) for hs in head_sets])  # [n, L, H]
+    loglik = empty_loglik(enc, n)
+    items = enc.items
+    offset, slow = 0, []
+    with HeadAblation(lm) as abl:
+        for subject in tqdm(
+            enc.subjects,
+            desc=f"{enc.task} {label}".strip(),
+            unit="subject",
+            disable=not progress or len(enc.subjects) < 2,
+            leave=False,
+        ):
+            fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
+            if fast_rows:
+                for s, results in enumerate(_fast_subject(lm, subject, fast_rows, batch_size, abl, masks)):
+                    for r, ll in results.items():
+                        _store(loglik[s], offset + r, ll)
+            slow += [offset + r for r, it in enumerate(subject.items) if not it.fast]
+            offset += len(subject.items)
+        if slow:  # every head set's rows in the same batches, each row with its set's mask
+            rows = [(s, i) for s in range(n) for i in slow]
+            results = _batched_all(
+                lm,
+                [items[i] for _, i in rows],
+                batch_size,
+                abl,
+                [masks[s] for s, _ in rows],
+                progress,
+                f"{enc.task} {label}".strip(),
+            )
+            for (s, i), ll in zip(rows, results):
+                _store(loglik[s], i, ll)
+    questions = [it.question for it in enc.items]
+    return [EvalResult(questions, loglik[s], label) for s in range(n)]
+
+
+@torch.no_grad()
+def next_token_kl(
+    lm: LoadedModel,
+    sequences: Sequence[Sequence[int]],
+    masks: "HeadSet | PrunePlan | torch.Tensor",
+    batch_size: int = 8,
+) -> torch.Tensor:
+    """Per sequence, the mean over its positions of KL(unablated || ablated) in nats between the two models'
+    next-token distributions: damage measured on text itself, whatever the model's accuracy. ``[len(sequences)]``."""
+    out = torch.zeros(len(sequences), dtype=torch.float64)
+    dev = lm.device
+    with HeadAblation(lm) as abl:
+        for idx in text_batches(lm, sequences, batch_size, full_logits=True):
+            lengths = torch.tensor([len(sequences[i]) for i in idx])
+            ids = torch.zeros(len(idx), int(lengths.max()), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, : lengths[row]] = torch.tensor(list(sequences[i]))
+            ids = ids.to(dev)
+            abl.set_mask(None)
+            p = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+            abl.set_mask(masks)
+            q = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+            kl = (p.exp() * (p - q)).sum(-1).clamp(min=0.0).double().cpu()  # [B, S]
+            real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]  # right padding: real tokens only
+            for row, i in enumerate(idx):
+                out[i] = kl[row][real[row]].mean()
+    return out

@@ -1,0 +1,227 @@
+"""The expensive steps of a run (scoring, task evaluations, text KL), each cached by everything it depends on, so an
+interrupted or changed run repeats no finished work (see cache.py). Under torchrun each step is shared out across
+the ranks and gathered back in order (parallel.py); rank 0 alone reads and writes the cache."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import click
+import torch
+
+from prune_heads.eval.passes import (
+    EncodedTask,
+    EvalResult,
+    evaluate,
+    evaluate_many,
+    in_order_of,
+    next_token_kl,
+    restricted,
+    task_span,
+)
+from prune_heads.heads import HeadSet, ScoreTable
+from prune_heads.io.cache import ResultCache, tokens_digest
+from prune_heads.io.files import StagedDirectory
+from prune_heads.io.parallel import LOCAL, Ranks
+from prune_heads.models.batching import text_batches
+from prune_heads.models.loading import LoadedModel
+from prune_heads.plan.planner import PrunePlan
+from prune_heads.scoring.hooks import score_heads
+
+
+class Work:
+    """The expensive steps of a run (scoring, evaluations), each cached by everything it depends on, so an
+    interrupted run resumes without repeating finished work (cache.py)."""
+
+    def __init__(self, lm: LoadedModel, stage: StagedDirectory | None, batch_size: int = 8, progress: bool = True,
+                 ranks: Ranks = LOCAL):
+        self.lm, self.batch_size, self.progress, self.ranks = lm, batch_size, progress, ranks
+        self.cache = ResultCache(stage.cache_dir if stage is not None else None)
+        self._enc_digests: dict[int, str] = {}
+        import transformers
+
+        self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
+                          "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
+                          "transformers": transformers.__version__, "format": 2}
+        if stage is not None and stage.resumed:
+            click.secho(f"resuming: finished work is reused from {stage.cache_dir}", err=True)
+
+    def _get(self, kind: str, key: dict) -> dict | None:
+        """A cache entry as rank 0 reads it, on every rank."""
+        return self.ranks.broadcast(self.cache.get(kind, key) if self.ranks.root else None)
+
+    def finish_alone(self) -> None:
+        """From here on this process works alone (rank 0 after the other ranks have left)."""
+        self.ranks = LOCAL
+
+    def _enc_digest(self, enc: EncodedTask) -> str:
+        if id(enc) not in self._enc_digests:
+            seqs = [it.context + [t for c in it.continuations for t in c] for it in enc.items]
+            self._enc_digests[id(enc)] = tokens_digest(seqs)
+        return self._enc_digests[id(enc)]
+
+    def scores(self, seqs: list[list[int]]) -> ScoreTable:
+        key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.batch_size}
+        hit = self._get("scores", key)
+        if hit is not None:
+            counts = hit.pop("_token_counts").tolist()
+            return ScoreTable(hit, counts)
+        table = self._score_shared(seqs)
+        self.cache.put("scores", key, {**table.per_input, "_token_counts": torch.tensor(table.token_counts)})
+        return table
+
+    @staticmethod
+    def _ablation_key(target) -> dict | None:
+        if target is None or (isinstance(target, HeadSet) and not target):
+            return None
+        if isinstance(target, PrunePlan):
+            return {"plan": target.to_json()}
+        if isinstance(target, torch.Tensor):  # a [L, H] or per-question [N, L, H] mask (study's dynamic ablation)
+            m = target.detach().to(torch.float32).cpu().contiguous()
+            return {"masks": hashlib.sha256(m.numpy().tobytes()).hexdigest(), "shape": list(m.shape)}
+        return {"heads": target.to_json()}
+
+    def _eval_key(self, enc, target, model_key=None):
+        ablation = self._ablation_key(target)
+        return ablation, {**(model_key or self.model_key), "what": "task", "task": enc.task,
+                          "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.batch_size}
+
+    def text_kl(self, sequences: list[list[int]], target) -> float:
+        """Mean next-token KL(unablated || ablated) over held-out texts, nats; cached like evaluations."""
+        return float(self.text_kls(sequences, target).mean())
+
+    def text_kls(self, sequences: list[list[int]], target) -> torch.Tensor:
+        """Next-token KL(unablated || ablated) of each held-out text, nats; cached like evaluations."""
+        ablation = self._ablation_key(target)
+        if ablation is None:
+            return torch.zeros(len(sequences), dtype=torch.float64)
+        key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
+               "batch": self.batch_size}
+        hit = self._get("kltext", key)
+        if hit is None:
+            hit = {"kl": self._kl_shared(sequences, target)}
+            self.cache.put("kltext", key, hit)
+        return hit["kl"]
+
+    def evaluate_group(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
+        """Several static head sets at once (evaluate_many); cached per set like ``evaluate``."""
+        questions = [it.question for it in enc.items]
+        results: dict[int, EvalResult] = {}
+        todo = []
+        for i, hs in enumerate(head_sets):
+            hit = self._get("eval", self._eval_key(enc, hs)[1])
+            if hit is not None:
+                results[i] = EvalResult(questions, hit["loglik"], labels[i])
+            else:
+                todo.append(i)
+        if todo:
+            label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
+            todo_sets = [head_sets[i] for i in todo]
+            many = self._on_task_share(enc, None, lambda part, _: evaluate_many(
+                self.lm, part, todo_sets, self.batch_size, self.progress, label))
+            for i, res in zip(todo, many):
+                self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
+                res.label = labels[i]
+                results[i] = res
+        return [results[i] for i in range(len(head_sets))]
+
+    def evaluate(self, enc: EncodedTask, target: "HeadSet | PrunePlan | None", label: str = "",
+                 lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
+        ablation, key = self._eval_key(enc, target, model_key)
+        hit = self._get("eval", key)
+        questions = [it.question for it in enc.items]
+        if hit is not None:
+            return EvalResult(questions, hit["loglik"], label)
+        result = self._on_task_share(enc, target if ablation else None, lambda part, masks: [evaluate(
+            lm or self.lm, part, masks, self.batch_size, self.progress, label=label)])[0]
+        self.cache.put("eval", key, {"loglik": result.loglik})
+        return result
+
+    def evaluate_sequential(self, blocks: list[EncodedTask], target, label: str, baseline: EvalResult,
+                            stop) -> EvalResult:
+        """Evaluate ``target`` block by block (each block cached on its own) and stop as soon as ``stop(partial,
+        baseline on the same questions)`` says the point is decided. Returns the questions evaluated so far, in
+        block order, with ``meta["stopped_early"]``; the full result in the baseline's order when every block ran."""
+        done: list[EvalResult] = []
+        for b, block in enumerate(blocks):
+            done.append(self.evaluate(block, target, f"{label} [{b + 1}/{len(blocks)}]"))
+            width = max(r.loglik.shape[1] for r in done)
+            partial = EvalResult([q for r in done for q in r.questions], torch.cat(
+                [torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[1]), value=float("-inf")) for r in done]),
+                label)
+            if b + 1 == len(blocks):
+                return in_order_of(baseline, partial)
+            if stop(partial, restricted(baseline, partial)):
+                partial.meta.update(stopped_early=True, questions_evaluated=len(partial.questions))
+                return partial
+        raise AssertionError("no blocks")
+
+    def evaluate_built(self, enc: EncodedTask, build, model_key: dict, label: str = "") -> EvalResult:
+        """Evaluate a model that is expensive to make (a healed one): ``build()`` runs only on a cache miss."""
+        _, key = self._eval_key(enc, None, model_key)
+        hit = self._get("eval", key)
+        if hit is not None:
+            return EvalResult([it.question for it in enc.items], hit["loglik"], label)
+        return self.evaluate(enc, None, label, lm=build(), model_key=model_key)
+
+    def exported_evaluator(self, enc: EncodedTask):
+        """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
+
+        def run(reloaded: LoadedModel, files_digest: str) -> EvalResult:
+            key = {**self.model_key, "model": f"export:{files_digest}"}
+            return self.evaluate(enc, None, "exported model", lm=reloaded, model_key=key)
+
+        return run
+
+    # -- sharing a step out across ranks (one rank: the step as it is) ---------------------------------------------
+
+    def _score_shared(self, seqs: list[list[int]]) -> ScoreTable:
+        """Head scores, each rank scoring its deal of the longest-first batches."""
+        if self.ranks.size == 1:
+            return score_heads(self.lm, seqs, self.batch_size, self.progress)
+        tables: dict[str, torch.Tensor] = {}
+        def run(mine):
+            return score_heads(self.lm, mine, self.batch_size, self.progress).per_input
+
+        for idx, part in self._on_text_share(seqs, False, run):
+            for key, value in part.items():
+                tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
+        return ScoreTable(tables, [len(s) for s in seqs])
+
+    def _kl_shared(self, sequences: list[list[int]], target) -> torch.Tensor:
+        """Next-token KL per text, each rank taking its deal of the longest-first batches."""
+        if self.ranks.size == 1:
+            return next_token_kl(self.lm, sequences, target, self.batch_size)
+        out = torch.zeros(len(sequences), dtype=torch.float64)
+        def run(mine):
+            return next_token_kl(self.lm, mine, target, self.batch_size)
+
+        for idx, part in self._on_text_share(sequences, True, run):
+            out[idx] = part
+        return out
+
+    def _on_text_share(self, sequences: list[list[int]], full_logits: bool, run) -> list[tuple[list[int], object]]:
+        """``run(sequences)`` on this rank's deal of the single-process batches (batching.text_batches: ``run``
+        cuts this rank's share into the same batches); every rank's (indices, result) back, ranks with no batch
+        left out."""
+        batches = text_batches(self.lm, sequences, self.batch_size, full_logits)
+        mine = [i for batch in self.ranks.deal(batches) for i in batch]
+        parts = self.ranks.gather((mine, run([sequences[i] for i in mine]) if mine else None))
+        return [(idx, part) for idx, part in parts if idx]
+
+    def _on_task_share(self, enc: EncodedTask, masks, run) -> list[EvalResult]:
+        """``run(task part, its masks) -> [EvalResult, ...]`` on this rank's span of whole subjects (cut inside a
+        subject only when there are fewer subjects than ranks), gathered into results on every question in order."""
+        if self.ranks.size == 1:
+            return run(enc, masks)
+        sizes = [len(s.items) for s in enc.subjects]
+        cuts = list(itertools.accumulate(sizes)) if len(sizes) >= self.ranks.size else None
+        lo, hi = self.ranks.span(sizes, cuts)
+        if isinstance(masks, torch.Tensor) and masks.dim() == 3:  # a mask per question
+            masks = masks[lo:hi]
+        results = run(task_span(enc, lo, hi), masks)
+        width = enc.num_choices
+        parts = self.ranks.gather([torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[-1]),
+                                                           value=float("-inf")) for r in results])
+        questions = [it.question for it in enc.items]
+        return [EvalResult(questions, torch.cat([p[s] for p in parts]), r.label) for s, r in enumerate(results)]

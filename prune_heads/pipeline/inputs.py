@@ -1,0 +1,211 @@
+"""The data a run reads, loaded once and checked before the weights load: the model's source and config, the
+verification questions, and the optional texts (calibration, held-out KL text, healing text).
+
+Also the token sequences each stage consumes, built from those inputs and the loaded tokenizer: what is scored,
+the held-out text of the next-token KL, and the healing text. None of them is ever a verified question.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from prune_heads.data.calibration import load_calibration
+from prune_heads.data.mmlu import load_mmlu
+from prune_heads.data.tasks import MMLU_TASKS, TaskData, load_task, task_format
+from prune_heads.errors import UserError
+from prune_heads.eval.passes import EncodedTask, encode
+from prune_heads.models.loading import LoadedModel, ModelSource, load_config, resolve_source
+from prune_heads.pipeline.settings import Settings
+
+
+@dataclass(frozen=True)
+class Inputs:
+    source: ModelSource
+    config: object  # the model's transformers config
+    questions: TaskData  # the verification questions
+    all_questions: TaskData  # the whole task (held-out questions come from here)
+    calibration: list[str] | None  # --calibration texts (the first calibration_size)
+    calibration_rest: list[str] | None  # the file's lines after those (held-out text for the next-token KL)
+    kl_text: list[str] | None  # --kl-text texts
+    heal_text: list[str] | None  # --heal-data texts
+    paths: tuple[str, ...] = ()  # every local file or directory the run reads (an --out must never touch them)
+    confirmation: TaskData | None = None  # questions the search never sees, to confirm the chosen point on
+    confirmation_source: str | None = None  # where they come from (or why there are none)
+
+
+def load_questions(settings: Settings) -> tuple[TaskData, TaskData]:
+    """(the verification questions of ``settings.task``, the whole task)."""
+    if settings.task in MMLU_TASKS:
+        full = load_mmlu(settings.mmlu, task=settings.task)
+        return mmlu_selection(full, settings, settings.mmlu_per_subject), full
+    full = load_task(settings.task, settings.task_data)
+    return full.subset(settings.task_limit), full
+
+
+def mmlu_selection(full: TaskData, settings: Settings, per_subject: int | None) -> TaskData:
+    """The first ``per_subject`` questions of each of ``settings.mmlu_subjects`` (None: every question)."""
+    subjects = list(settings.mmlu_subjects) if isinstance(settings.mmlu_subjects, tuple) else settings.mmlu_subjects
+    return full.subset(per_subject, subjects)
+
+
+def with_questions_per_subject(settings: Settings, inputs: Inputs) -> Inputs:
+    """``inputs`` with the MMLU selection (and its confirmation questions) at ``settings.mmlu_per_subject``."""
+    questions = mmlu_selection(inputs.all_questions, settings, settings.mmlu_per_subject)
+    questions, confirmation, why = confirmation_questions(settings, questions, inputs.all_questions)
+    return dataclasses.replace(inputs, questions=questions, confirmation=confirmation, confirmation_source=why)
+
+
+def load_inputs(settings: Settings, source: ModelSource | None = None, config=None) -> Inputs:
+    """Everything ``settings`` points to, read now: a bad path or file fails in seconds, before the weights load."""
+    source = source or resolve_source(settings.model)
+    config = config or load_config(source, settings.trust_remote_code, settings.revision)
+    questions, full = load_questions(settings)
+    if not sum(len(s.questions) for s in questions.subjects):
+        raise UserError(f"the {settings.task} selection leaves no questions to evaluate (every row is an exemplar or "
+                        "was skipped); select more subjects or questions, or pass a larger file")
+    calibration = rest = None
+    if settings.calibration:
+        texts = load_calibration(settings.calibration)
+        calibration, rest = texts[:settings.calibration_size], texts[settings.calibration_size:]
+    kl_text = (load_calibration(settings.kl_text, settings.kl_text_size, "held-out text file")
+               if settings.kl_text else None)
+    heal_text = load_calibration(settings.heal_data, what="healing text file") if settings.heal_data else None
+    questions, confirmation, why = confirmation_questions(settings, questions, full)
+    return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text, input_paths(settings, source),
+                  confirmation, why)
+
+
+def confirmation_questions(settings: Settings, questions: TaskData,
+                           full: TaskData) -> tuple[TaskData, TaskData | None, str]:
+    """(search questions, confirmation questions or None, where they come from or why there are none)."""
+    if not settings.confirm:
+        return questions, None, "not confirmed: --no-confirm"
+    if settings.metric == "kl-text" or settings.heal_in_search:
+        return questions, None, ("not confirmed: the budget is measured on held-out text" if settings.metric ==
+                                 "kl-text" else "not confirmed: --heal-in-search judges healed models")
+    unused = full.unused(questions)
+    if unused.questions:
+        return questions, unused, f"{len(unused.questions)} further questions of the same subjects, never searched"
+    if settings.confirm_fraction > 0:
+        search, held = questions.split(settings.confirm_fraction)
+        if held.questions and search.questions:
+            return search, held, (f"the last {100 * settings.confirm_fraction:g}% of each subject's questions, held "
+                                  "out of the search (--confirm-fraction)")
+    return questions, None, ("not confirmed: the search uses every question; pass --confirm-fraction F to hold "
+                             "some out")
+
+
+def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
+    """The local files and directories a run reads: the model (its directory, or its .gguf file), the data files,
+    the adapter."""
+    model = [] if source.kind == "hub" else [str(Path(source.path) / source.gguf_file) if source.gguf_file
+                                             else source.path]
+    files = [settings.calibration, settings.kl_text, settings.heal_data, settings.task_data, settings.lora_adapter]
+    if settings.mmlu and Path(settings.mmlu).exists():
+        files.append(settings.mmlu)
+    return tuple(model + [f for f in files if f])
+
+
+def round_robin(per_subject: list[list], n: int) -> list:
+    """The first ``n`` items taking one from each subject in turn: a small sample still covers every subject."""
+    out, depth = [], 0
+    while len(out) < n and any(depth < len(items) for items in per_subject):
+        out += [items[depth] for items in per_subject if depth < len(items)]
+        depth += 1
+    return out[:n]
+
+
+def encoded_texts(lm: LoadedModel, texts: list[str], max_length: int, source: str) -> list[list[int]]:
+    seqs = [x for x in (encode(lm, t)[:max_length] for t in texts) if len(x) >= 2]
+    if not seqs:
+        raise UserError(f"the text from {source} has no input of at least 2 tokens")
+    return seqs
+
+
+def held_out_texts(settings: Settings, inputs: Inputs, n: int, need: str, flag: str) -> tuple[list[str], str]:
+    """Up to ``n`` questions of the task that are neither evaluated nor exemplars, with their answers, as text."""
+    questions = inputs.all_questions.held_out(inputs.questions, n)
+    if not questions:
+        raise UserError(
+            f"{need} needs held-out text, but every {settings.task} question is evaluated; pass {flag} FILE "
+            "or evaluate fewer questions"
+        )
+    fmt = task_format(settings.task)
+    return [
+        fmt.gold_text(q) for q in questions
+    ], f"{len(questions)} held-out {settings.task} questions with their answers"
+
+
+def calibration_sequences(
+    lm: LoadedModel, settings: Settings, inputs: Inputs, enc: EncodedTask | None
+) -> tuple[list[list[int]], str]:
+    """Token sequences to score on: the user's texts, or else the task prompts themselves, taken round-robin
+    over subjects so a small calibration set still covers every subject."""
+    if inputs.calibration is not None:
+        seqs = [s for s in (encode(lm, t)[: settings.max_length] for t in inputs.calibration) if len(s) >= 2]
+        if not seqs:
+            raise UserError(f"calibration file {settings.calibration} has no text of at least 2 tokens")
+        return seqs, f"file {settings.calibration}"
+    assert enc is not None
+    # Truncated like calibration texts: a few 5-shot prompts run to thousands of tokens, and attention (with the
+    # statistics the scoring pass collects) costs the square of that.
+    seqs = [
+        x[: settings.max_length]
+        for x in round_robin([[it.context for it in s.items] for s in enc.subjects], settings.calibration_size)
+    ]
+    return seqs, f"{settings.task} prompts of the verification questions (first {settings.max_length} tokens)"
+
+
+KL_TEXT_MAX_TOKENS = 256  # per held-out text: the next-token KL needs full-vocabulary logits at every position
+
+
+def kl_text_sequences(
+    lm: LoadedModel, settings: Settings, inputs: Inputs
+) -> tuple[list[list[int]], str] | tuple[None, None]:
+    """Text for the next-token KL, never seen by scoring or verification: --kl-text, else the calibration file's
+    lines after the ones scored, else held-out questions of the task with their correct answers. Measured only
+    when the budget is in next-token KL or --kl-text is given (it costs two forward passes per evaluated point)."""
+    if settings.metric != "kl-text" and not settings.kl_text:
+        return None, None
+    n = settings.kl_text_size
+    if inputs.kl_text is not None:
+        texts, source = inputs.kl_text, f"file {settings.kl_text}"
+    elif inputs.calibration is not None:
+        texts = inputs.calibration_rest[:n]
+        source = f"lines after the first {settings.calibration_size} of {settings.calibration}"
+        if not texts:
+            raise UserError(
+                f"--metric kl-text needs held-out text, but {settings.calibration} has no lines after the "
+                f"{settings.calibration_size} used for scoring; pass --kl-text FILE"
+            )
+    else:
+        texts, source = held_out_texts(settings, inputs, n, "--metric kl-text", "--kl-text")
+        source += " (not evaluated, not scored)"
+    return encoded_texts(lm, texts, KL_TEXT_MAX_TOKENS, source), source
+
+
+def heal_sequences(
+    lm: LoadedModel, settings: Settings, inputs: Inputs, steps: int, batch_size: int, max_length: int
+) -> tuple[list[list[int]], str]:
+    """Healing text, never the questions being verified: --heal-data, else the --calibration file, else held-out
+    questions of the task with their answers (as many as the steps consume, at most 1024)."""
+    if inputs.heal_text is not None:
+        texts, source = inputs.heal_text, f"file {settings.heal_data}"
+    elif inputs.calibration is not None:
+        texts, source = inputs.calibration + inputs.calibration_rest, f"calibration file {settings.calibration}"
+    else:
+        texts, source = held_out_texts(settings, inputs, min(1024, steps * batch_size), "healing", "--heal-data")
+        source += " (never the verified ones)"
+    return encoded_texts(lm, texts, max_length, source), source
+
+
+def compare_texts(settings: Settings, inputs: Inputs) -> list[str]:
+    """``compare``'s texts: the calibration file, else the task prompts as text (each model tokenises them its own
+    way), round-robin over subjects."""
+    if inputs.calibration is not None:
+        return inputs.calibration
+    fmt = task_format(settings.task)
+    return round_robin(
+        [[fmt.requests(s, q)[0][0] for q in s.questions] for s in inputs.questions.subjects], settings.calibration_size
+    )

