@@ -3,8 +3,9 @@
     python benchmarks/bench_memory.py [--dtype float32|bfloat16] [--skip-export] [--skip-main] [--skip-embedded]
 
 Each command runs in a fresh process through a small wrapper that records the RSS just before the weights are read
-(``loading.load_weights``: imports done, the modelling code and the tokenizer loaded, data read: the baseline; the RSS
-before the tokenizer is printed beside it) and the peak RSS at exit (``VmHWM``: the high-water mark of the process's own
+(the loader's ``reading_weights`` event on the ``prune_heads`` logger: imports done, the modelling code and the
+tokenizer loaded, data read: the baseline; the RSS at the start, before the command read anything, is printed
+beside it) and the peak RSS at exit (``VmHWM``: the high-water mark of the process's own
 memory; ``ru_maxrss`` is not used, since Linux carries the parent's over ``fork`` and ``exec``, which is how one earlier
 run read 9.29x). Ratio = (peak - baseline) / weights' bytes in the
 run's dtype. Measured on:
@@ -28,9 +29,7 @@ from pathlib import Path
 from _common import machine, result
 
 WRAPPER = r"""
-import json, sys
-import prune_heads.models.loading as loading
-import prune_heads.run as run
+import json, logging, sys
 
 marks = {}
 
@@ -40,21 +39,19 @@ def rss(key="VmRSS:"):
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
 
-real_load, real_weights = run.load, loading.load_weights
+class Marks(logging.Handler):  # the loader's events on the prune_heads logger (prune_heads/models/loading.py)
+    def emit(self, record):
+        event = getattr(record, "event", None)
+        if event == "reading_weights":
+            marks.setdefault("baseline", rss())  # tokenizer and modelling code loaded, no weight read yet
+        elif event == "weights_loaded":
+            marks["weights"] = record.weights_bytes
+            marks["after_load"] = rss()
 
-def load(*a, **k):
-    marks["load_called"] = rss()
-    lm = real_load(*a, **k)
-    marks["weights"] = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-    marks["after_load"] = rss()
-    return lm
-
-def load_weights(*a, **k):
-    marks.setdefault("baseline", rss())  # tokenizer and modelling code loaded, no weight read yet
-    return real_weights(*a, **k)
-
-run.load, loading.load_weights = load, load_weights
+marks["load_called"] = rss()  # imports aside: what the process holds before the command reads anything
+logging.getLogger("prune_heads").addHandler(Marks(logging.DEBUG))
 from prune_heads_cli.main import main
+logging.getLogger("prune_heads").setLevel(logging.DEBUG)
 code = 0
 try:
     main(sys.argv[2:])
@@ -81,9 +78,9 @@ def measure(args: list[str], label: str) -> dict:
     ratio = (marks["peak"] - marks["baseline"]) / marks["weights"]
     from_call = (marks["peak"] - marks["load_called"]) / marks["weights"]
     print(f"{label}: weights {marks['weights'] / 2**20:,.0f} MiB, baseline RSS {marks['baseline'] / 2**20:,.0f} MiB "
-          f"({marks['load_called'] / 2**20:,.0f} before the tokenizer), after load {marks['after_load'] / 2**20:,.0f} "
+          f"({marks['load_called'] / 2**20:,.0f} at the start), after load {marks['after_load'] / 2**20:,.0f} "
           f"MiB, peak {marks['peak'] / 2**20:,.0f} MiB: {ratio:.2f}x the weights above the baseline ({from_call:.2f}x "
-          "above the RSS before the tokenizer)")
+          "above the RSS at the start)")
     return {**marks, "ratio": ratio}
 
 

@@ -24,7 +24,8 @@ import torch
 from _common import machine, result, timed
 
 from prune_heads.data.mmlu import LETTERS, load_mmlu
-from prune_heads.eval.passes import encode_task, evaluate
+from prune_heads.eval.encoding import encode_task
+from prune_heads.eval.passes import evaluate
 from prune_heads.models import load_model
 
 TASK = """task: {task}

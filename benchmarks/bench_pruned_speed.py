@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from _common import machine, result
 
-from exporters.export import export_pruned
+from exporters.export import ExportOptions, export_pruned
 from prune_heads.heads import HeadSet
 from prune_heads.models import load_model
 
@@ -135,9 +135,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     (tmp / "pruned").mkdir()
     (tmp / "unpruned").mkdir()
-    quiet = dict(log=lambda *a: None, progress=False)
-    res = export_pruned(lm, heads_to_remove(layouts, args.remove), tmp / "pruned", layout="uniform", **quiet)
-    base_res = export_pruned(lm, HeadSet(), tmp / "unpruned", layout="uniform", **quiet)
+    quiet = ExportOptions(layout="uniform", progress=False)
+    res = export_pruned(lm, heads_to_remove(layouts, args.remove), tmp / "pruned", quiet)
+    base_res = export_pruned(lm, HeadSet(), tmp / "unpruned", quiet)
     models = {name: AutoModelForCausalLM.from_pretrained(tmp / name, dtype=lm.dtype).to(lm.device).eval()
               for name in ("unpruned", "pruned")}
     config, device, dtype = lm.config, lm.device, lm.dtype

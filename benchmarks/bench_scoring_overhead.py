@@ -13,7 +13,7 @@ import torch
 from _common import machine, result, timed
 
 from prune_heads.data.mmlu import load_mmlu
-from prune_heads.eval.passes import encode_task
+from prune_heads.eval.encoding import encode_task
 from prune_heads.models import load_model
 from prune_heads.scoring.hooks import score_heads
 

@@ -69,7 +69,7 @@ def emptied_layer_exports_match(device: torch.device, quick: bool) -> tuple[floa
     from tiny import tiny_model
     from transformers import AutoModelForCausalLM
 
-    from exporters.export import export_pruned
+    from exporters.export import ExportOptions, export_pruned
     from prune_heads.heads import HeadSet
     from prune_heads.models.loading import LoadedModel
     from prune_heads.plan.ablation import ablate
@@ -88,7 +88,7 @@ def emptied_layer_exports_match(device: torch.device, quick: bool) -> tuple[floa
             lm = LoadedModel(model, base.tokenizer, base.arch, base.source, dtype, device)
             heads = HeadSet.of({0: range(lm.config.num_attention_heads), 2: [1, 4]})
             with tempfile.TemporaryDirectory() as out:
-                result = export_pruned(lm, heads, Path(out), log=lambda *a: None, progress=False)
+                result = export_pruned(lm, heads, Path(out), ExportOptions(progress=False))
                 shipped = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=dtype).to(device)
                 with torch.no_grad(), ablate(lm, result.choice.plan):
                     expected = lm.model(input_ids=ids).logits.float()
@@ -106,7 +106,8 @@ def emptied_layer_exports_match(device: torch.device, quick: bool) -> tuple[floa
 
 def bf16_agrees_with_float32(device: torch.device, quick: bool) -> float:
     from prune_heads.data.mmlu import load_mmlu
-    from prune_heads.eval.passes import encode_task, evaluate
+    from prune_heads.eval.encoding import encode_task
+    from prune_heads.eval.passes import evaluate
     from prune_heads.models import load_model
 
     subjects = 2 if quick else None

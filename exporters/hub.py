@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from exporters.export import MANIFEST, read_manifest
+from exporters.manifest import MANIFEST, read_manifest
+from prune_heads.console import say
 from prune_heads.errors import UserError
 
 # A git branch name as the Hub accepts it (git check-ref-format's rules, one component or several).
@@ -26,13 +27,13 @@ def check_repo_id(repo_id: str) -> None:
     except HFValidationError:
         shaped = False
     if not shaped:
-        raise UserError(f"--push-to {repo_id!r} is not a Hub repo id; use user/name: letters, digits, '-', '_' and "
+        raise UserError(f"`push_to` {repo_id!r} is not a Hub repo id; use user/name: letters, digits, '-', '_' and "
                         "'.', no '--' or '..', neither at either end, at most 96 characters")
 
 
 def check_branch(branch: str) -> None:
     if not _BRANCH.fullmatch(branch) or branch.startswith("-") or branch.endswith("."):
-        raise UserError(f"--branch {branch!r} is not a valid branch name (no spaces, '..', '~', '^', ':', '?', '*', "
+        raise UserError(f"`branch` {branch!r} is not a valid branch name (no spaces, '..', '~', '^', ':', '?', '*', "
                         "'[', '\\' or trailing '/', '.' or '.lock'); choose another name")
 
 
@@ -47,7 +48,7 @@ def _refused(error, repo_id: str) -> UserError:
 
 
 def push_export(directory: str | Path, repo_id: str, private: bool = False, branch: str | None = None,
-                commit_message: str | None = None, force: bool = False, log=print) -> str:
+                commit_message: str | None = None, force: bool = False) -> str:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -61,7 +62,7 @@ def push_export(directory: str | Path, repo_id: str, private: bool = False, bran
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if private and not api.repo_info(repo_id).private:  # an existing public repo: made private, and said
             api.update_repo_settings(repo_id, private=True)
-            log(f"{repo_id} existed and was public; made it private as --private asks")
+            say(f"{repo_id} existed and was public; made it private as `private` asks", fg="green")
         if branch and branch != "main":
             api.create_branch(repo_id, branch=branch, exist_ok=True)
         existing = set(api.list_repo_files(repo_id, revision=branch)) - {".gitattributes"}
@@ -72,8 +73,8 @@ def push_export(directory: str | Path, repo_id: str, private: bool = False, bran
                         "HF_ENDPOINT and HF_HUB_OFFLINE") from None
     if existing and not force:
         shown = ", ".join(sorted(existing)[:3]) + ("..." if len(existing) > 3 else "")
-        raise UserError(f"{repo_id} already has files ({shown}); pass --force to overwrite them, or choose another "
-                        "--push-to or --branch")
+        raise UserError(f"{repo_id} already has files ({shown}); pass `force` to overwrite them, or choose another "
+                        "`push_to` or `branch`")
     files = sorted(meta["files"]) + [MANIFEST]
     message = commit_message or (f"prune-heads: {meta['heads_removed']} attention heads removed from "
                                  f"{meta['source_model'].get('spec')} ({meta['layout']} layout)")
@@ -87,5 +88,5 @@ def push_export(directory: str | Path, repo_id: str, private: bool = False, bran
         raise UserError(f"upload to {repo_id} failed ({type(e).__name__}); nothing was changed if the commit did not "
                         "complete; check your network and try again") from None
     url = getattr(info, "commit_url", None) or f"{repo_id}"
-    log(f"pushed {len(files)} files to {repo_id}: {url}")
+    say(f"pushed {len(files)} files to {repo_id}: {url}", fg="green")
     return url

@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from prune_heads.eval.passes import EncodedTask
+from prune_heads.eval.encoding import EncodedTask
 from prune_heads.models.dtypes import available_bytes
 from prune_heads.models.loading import LoadedModel
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from exporters.export import read_manifest
 from exporters.logits import compare_models, sample_prompts
+from exporters.manifest import read_manifest
+from prune_heads.console import say, warn
 from prune_heads.errors import UserError
-from prune_heads.io.files import atomic_write, write_json
+from prune_heads.io.files import atomic_path, write_json
 from prune_heads.io.readers import check_adapter_config, read_json
 from prune_heads.models.adapters import ArchAdapter, adapter_for
 from prune_heads.models.counting import safetensors_shapes
@@ -32,7 +33,7 @@ def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, arch: Arch
     if kind == "o":
         if "magnitude" in name:
             raise UserError("DoRA on o_proj cannot be sliced exactly (its column norms change); re-train without "
-                            "o_proj in target_modules, or use --layout masked for the base")
+                            "o_proj in target_modules, or use `layout` masked for the base")
         if not is_a:  # lora_B and lora biases of o_proj act on the hidden size, which does not change
             return tensor
         cols = [None if h is None or h in lp.zero_output else h for h in lp.slots]
@@ -42,7 +43,7 @@ def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, arch: Arch
     if "magnitude" in name and kind in ("q", "qkv") and any(h is None for h in lp.slots):
         # DoRA divides by the norm of each row of W + BA; a zero padding head's rows are all zero, so that is 0 / 0.
         raise UserError("this adapter uses DoRA on the query projection, and the export pads some layers with zero "
-                        "query heads, whose DoRA norm would be 0 / 0 (NaN); export with --layout masked, or use a LoRA "
+                        "query heads, whose DoRA norm would be 0 / 0 (NaN); export with `layout` masked, or use a LoRA "
                         "adapter without DoRA on q_proj")
     if kind == "qkv":  # fused [q | k | v] rows (Phi-3)
         q, k, v = arch.split_qkv_rows(tensor, lp.geometry)
@@ -103,7 +104,7 @@ def check_adapter_fits(shapes: dict[str, tuple[int, ...]], plan: PrunePlan, hidd
                             f"it was trained on another base; pass an adapter of {source}")
 
 
-def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Path, log=print) -> Path:
+def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Path) -> Path:
     """Write ``adapter_dir``'s LoRA adapter, sliced by the plan in ``pruned_dir``'s manifest, into ``out``."""
     adapter_dir, pruned_dir, out = Path(adapter_dir), Path(pruned_dir), Path(out)
     config = read_adapter_config(adapter_dir)
@@ -119,8 +120,8 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
                        source)
     named = config.get("base_model_name_or_path")
     if named and not _names_source(named, meta["source_model"]):
-        log(f"WARNING: adapter {adapter_dir} names {named} as its base, the export was pruned from {source}; its "
-            "tensor shapes fit that model, so it is sliced: check it is the adapter you meant")
+        warn(f"adapter {adapter_dir} names {named} as its base, the export was pruned from {source}; its "
+             "tensor shapes fit that model, so it is sliced: check it is the adapter you meant")
     state = load_file(str(weights_path))
     sliced = {}
     for name, tensor in state.items():
@@ -134,9 +135,10 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
         sliced[name] = _slice(name, arch.projections[m.group(2)], tensor, lp, arch)
     config["base_model_name_or_path"] = str(pruned_dir.resolve())
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "adapter_model.safetensors", lambda tmp: save_file(sliced, tmp, metadata={"format": "pt"}))
+    with atomic_path(out / "adapter_model.safetensors") as tmp:
+        save_file(sliced, tmp, metadata={"format": "pt"})
     write_json(out / "adapter_config.json", config)
-    log(f"sliced {len(state)} adapter tensors to {len(sliced)} for {pruned_dir}")
+    say(f"sliced {len(state)} adapter tensors to {len(sliced)} for {pruned_dir}")
     return out
 
 

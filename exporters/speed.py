@@ -60,10 +60,12 @@ def flops_per_token(model, arch, context: int) -> int:
     return 2 * params + attention
 
 
-def measure_speed(original, shipped, arch, vocab_size: int, device: torch.device, batch: int = 1, prompt: int = 256,
-                  new_tokens: int = 32, rounds: int = 5) -> dict:
+def measure_speed(original, shipped, arch, batch: int = 1, prompt: int = 256, new_tokens: int = 32,
+                  rounds: int = 5) -> dict:
     """Prefill and decode throughput of ``shipped`` against ``original`` (tokens/s, median over alternating rounds)
-    and the ratios, with the FLOP-predicted prefill speed-up at this prompt length."""
+    and the ratios, with the FLOP-predicted prefill speed-up at this prompt length, on ``original``'s device."""
+    device = next(original.parameters()).device
+    vocab_size = original.config.vocab_size
     ids = torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     models = {"original": original, "shipped": shipped}
     for model in models.values():

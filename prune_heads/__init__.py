@@ -1,9 +1,14 @@
 """prune-heads: find the attention heads a pretrained LLM does not use, verify they can go, and cut them out.
 
-One run, as data flows through the code (see each module's docstring):
+The subpackages are the stages of one run, in the order it flows through them (docs/ARCHITECTURE.md); a stage
+imports only earlier ones:
 
-    cli -> models.load_model -> data.mmlu / data.calibration -> scoring.score_heads (ScoreTable)
-        -> search.search_budget (evaluation.evaluate under ablation.ablate) -> HeadSet -> report / plots
+    io -> models (load_model: LoadedModel) -> data (tasks, MMLU, calibration) -> plan (Planner: PrunePlan)
+       -> scoring (score_heads: ScoreTable) -> eval (encode_task, evaluate: EvalResult; Work caches both)
+       -> search (Verifier, search_budget, select_heads: Selection; confirm) -> report (report.json, plots, study)
+       -> pipeline (Settings, Inputs, and the stages open_run, score, verifier_for, select, confirmed)
+
+The exporters (``exporters``) turn a Selection into files; the command line (``prune_heads_cli``) chains both.
 """
 
 __version__ = "0.1.0"

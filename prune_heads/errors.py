@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 class UserError(Exception):
-    """Bad input from the user: the message names the problem and the fix."""
+    """Bad input from the user: the message names the problem and the fix. An option is named by its parameter name
+    in backticks (```budget```); the command line shows it as its flag (``--budget``), a library user as written."""
 
 
 class DiskFull(UserError):

@@ -1,4 +1,6 @@
-"""The prune-heads command line: the command table (main.py) and what each command does (commands.py).
+"""The prune-heads command line: the command table (main.py), its shared options (options.py), what each command does
+(commands.py: the main job and export; measure.py: score, eval, compare, study), and the edge where errors, option
+names and the memory policy are decided (edge.py, console.py, memory.py).
 
 This package sits above both the core (``prune_heads``) and the exporters (``exporters``) and is the only code that
 imports both."""

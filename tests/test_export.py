@@ -6,7 +6,8 @@ import pytest
 import torch
 from tiny import FAMILIES, tiny_model
 
-from exporters.export import MANIFEST, export_pruned, read_manifest
+from exporters.export import ExportOptions, export_pruned
+from exporters.manifest import MANIFEST, read_manifest
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
 from prune_heads.plan.ablation import ablate
@@ -126,9 +127,9 @@ def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path)
         out.mkdir()
         if layout != "auto" and layout not in EXPRESSIBLE[family]:
             with pytest.raises(UserError, match="cannot carry per_layer_config"):
-                export_pruned(lm, UNEVEN, out, layout=layout, log=lambda *a: None, progress=False)
+                export_pruned(lm, UNEVEN, out, ExportOptions(layout=layout, progress=False))
             continue
-        result = export_pruned(lm, UNEVEN, out, layout=layout, log=lambda *a: None, progress=False)
+        result = export_pruned(lm, UNEVEN, out, ExportOptions(layout=layout, progress=False))
         cfg = json.loads((out / "config.json").read_text())
         assert "quantization_config" not in cfg
         trust = result.choice.layout == "per-layer"
@@ -155,7 +156,7 @@ def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_
 
     lm = tiny_model("llama", hidden_size=90)  # 6 heads of 16 (explicit head_dim); 4 kept heads: 90 % 4 != 0
     heads = HeadSet.of({i: [0, 3] for i in range(4)})  # groups keep (2, 2): 4 query heads, 2 KV heads per layer
-    result = export_pruned(lm, heads, tmp_path, layout="auto", log=lambda *a: None, progress=False)
+    result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False))
     assert result.choice.layout == "uniform" and result.choice.plan.shapes == [(4, 2)] * 4
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "mistral" and cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["architectures"] == ["MistralForCausalLM"]
@@ -170,7 +171,7 @@ def test_sharded_export_has_an_index_and_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
     lm = tiny_model("qwen2")
-    export_pruned(lm, EVEN, tmp_path, layout="auto", max_shard_size="100KB", log=lambda *a: None, progress=False)
+    export_pruned(lm, EVEN, tmp_path, ExportOptions(layout="auto", max_shard_size="100KB", progress=False))
     shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -192,7 +193,7 @@ def test_auto_layout_picks_uniform_only_when_nothing_is_left_on_the_table():
 
 def test_manifest_guards_incomplete_or_modified_exports(tmp_path):
     lm = tiny_model("llama")
-    export_pruned(lm, EVEN, tmp_path, log=lambda *a: None, progress=False)
+    export_pruned(lm, EVEN, tmp_path, ExportOptions(progress=False))
     read_manifest(tmp_path)
     (tmp_path / "README.md").write_text("edited")
     with pytest.raises(UserError, match="modified after export"):
@@ -206,12 +207,12 @@ def test_manifest_guards_incomplete_or_modified_exports(tmp_path):
 
 
 def test_a_per_layer_export_is_refused_as_input_with_a_clear_error(tmp_path):
-    from prune_heads.models import load_model
+    from prune_heads.models.loading import LoadOptions, load_model
 
     lm = tiny_model("qwen2")
-    export_pruned(lm, UNEVEN, tmp_path, layout="per-layer", log=lambda *a: None, progress=False)
+    export_pruned(lm, UNEVEN, tmp_path, ExportOptions(layout="per-layer", progress=False))
     with pytest.raises(UserError, match="different attention head counts per layer"):
-        load_model(str(tmp_path), trust_remote_code=True)
+        load_model(str(tmp_path), options=LoadOptions(trust_remote_code=True))
 
 
 def _bf16(family: str):
@@ -227,11 +228,11 @@ def _bf16(family: str):
 def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from exporters.export import _reload
+    from exporters.checkpoint import reload_export
 
     lm = _bf16("llama")
     before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
-    result = export_pruned(lm, EVEN, tmp_path, layout="uniform", log=lambda *a: None, progress=False)
+    result = export_pruned(lm, EVEN, tmp_path, ExportOptions(layout="uniform", progress=False))
     v = result.verification
     assert v["compared_in"] == "float32" and v["dtype"] == "bfloat16"
     assert v["max_abs_logit_diff"] <= v["tolerance"] and v["argmax_agreement"] == 1.0
@@ -239,7 +240,7 @@ def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_p
     for n, p in lm.model.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
     # The reloaded model handed on for evaluation is the bf16 model a user gets from from_pretrained.
-    handed_on = _reload(lm, result.choice, tmp_path, None)  # what export_pruned evaluates the task on
+    handed_on = reload_export(lm, result.choice, tmp_path, None)  # what export_pruned evaluates the task on
     assert all(p.dtype == torch.bfloat16 for p in handed_on.parameters())
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert torch.equal(logits(handed_on), logits(fresh))
@@ -310,6 +311,6 @@ def test_reference_logits_go_to_disk_come_back_equal_and_are_removed_once_the_re
                                                                   real_append(self, t))[1])
     out = tmp_path / "export"
     out.mkdir()
-    export_pruned(lm, UNEVEN, out, log=lambda *a: None, progress=False)
+    export_pruned(lm, UNEVEN, out, ExportOptions(progress=False))
     assert written == [out / REFERENCE_DIR] * ids.shape[0] and not (out / REFERENCE_DIR).exists()
     assert read_manifest(out)["verified"]

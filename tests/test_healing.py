@@ -31,7 +31,7 @@ def test_healing_lowers_the_loss_is_reproducible_and_keeps_padding_heads_silent(
     dead = dead_head_slots(model, lm.arch, plan)
     assert dead  # the uniform layout pads some layers with zero heads
     config = HealConfig(steps=30, seed=3, rank=4, alpha=8, learning_rate=3e-3, batch_size=2)
-    healed, record = heal(model, texts(lm), config, progress=False, log=lambda m: None, dead_heads=dead)
+    healed, record = heal(model, texts(lm), config, progress=False, dead_heads=dead)
     assert record["loss_last"] < record["loss_first"] - 0.05
     assert len(record["losses"]) == 30 and "o_proj" in record["targets"] and "down_proj" in record["targets"]
     for name, (d, slots) in dead.items():
@@ -41,13 +41,13 @@ def test_healing_lowers_the_loss_is_reproducible_and_keeps_padding_heads_silent(
     assert not any("lora" in n for n, _ in healed.named_modules())  # merged, no peft layers left
     # Same seed, same weights; another seed, other weights.
     _, plan2, model2 = pruned_tiny("uniform")
-    again, record2 = heal(model2, texts(lm), config, progress=False, log=lambda m: None,
+    again, record2 = heal(model2, texts(lm), config, progress=False,
                           dead_heads=dead_head_slots(model2, lm.arch, plan2))
     assert record2["losses"] == record["losses"]
     sd, sd2 = healed.state_dict(), again.state_dict()
     assert all(torch.equal(sd[k], sd2[k]) for k in sd)
     _, plan3, model3 = pruned_tiny("uniform")
-    other, _ = heal(model3, texts(lm), HealConfig(**{**config.to_json(), "seed": 4}), progress=False, log=lambda m: None,
+    other, _ = heal(model3, texts(lm), HealConfig(**{**config.to_json(), "seed": 4}), progress=False,
                     dead_heads=dead_head_slots(model3, lm.arch, plan3))
     assert not torch.equal(other.state_dict()["model.layers.0.self_attn.q_proj.weight"], sd["model.layers.0.self_attn.q_proj.weight"])
 
@@ -56,11 +56,11 @@ def test_merged_weights_compute_what_was_trained_and_silencing_keeps_padding_hea
     lm, plan, model = pruned_tiny("per-layer")
     dead = dead_head_slots(model, lm.arch, plan)
     config = HealConfig(steps=6, seed=0, rank=4, learning_rate=1e-2, batch_size=2)
-    healed, record = heal(model, texts(lm), config, progress=False, log=lambda m: None, dead_heads=dead)
+    healed, record = heal(model, texts(lm), config, progress=False, dead_heads=dead)
     assert record["merge_max_abs_logit_diff"] < 1e-4  # the merge (and re-zeroing) changes nothing trained
     # Without silencing, LoRA's o_proj update brings the padding heads' columns back to life.
     _, plan2, model2 = pruned_tiny("per-layer")
-    revived, _ = heal(model2, texts(lm), config, progress=False, log=lambda m: None, dead_heads={})
+    revived, _ = heal(model2, texts(lm), config, progress=False, dead_heads={})
     name, (d, slots) = next(iter(dead.items()))
     assert float(revived.get_submodule(name).weight[:, slots[0] * d:(slots[0] + 1) * d].abs().max()) > 0
 
@@ -132,7 +132,7 @@ def test_healing_gives_every_tensor_its_dtype_back():
     for b in rotary.values():
         b.data = b.data.float()
     before = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    healed, _ = heal(model, texts(lm), HealConfig(steps=2, batch_size=2), progress=False, log=lambda m: None,
+    healed, _ = heal(model, texts(lm), HealConfig(steps=2, batch_size=2), progress=False,
                      dead_heads=dead_head_slots(model, lm.arch, plan))
     after = {n: t.dtype for n, t in [*healed.named_parameters(), *healed.named_buffers()]}
     assert after == before and any(d == torch.float32 for d in after.values())

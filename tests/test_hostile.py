@@ -16,7 +16,7 @@ from tiny import run_cli, save_tiny
 
 from prune_heads.errors import UserError
 from prune_heads.io.readers import read_heads, read_recipe
-from prune_heads.search.prefixes import Budget
+from prune_heads.search.budget import Budget
 
 
 def _snapshot(directory):
@@ -216,12 +216,12 @@ def test_malformed_adapter_configs(tmp_path, model_dir, case, content, expect):
 def test_push_without_a_network_is_one_line(tmp_path, model_dir, capsys, monkeypatch):
     from tiny import tiny_model
 
-    from exporters.export import export_pruned
+    from exporters.export import ExportOptions, export_pruned
     from prune_heads.heads import HeadSet
 
     d = tmp_path / "export"
     d.mkdir()
-    export_pruned(tiny_model("llama"), HeadSet.of({0: [0]}), d, log=lambda *a: None, progress=False)
+    export_pruned(tiny_model("llama"), HeadSet.of({0: [0]}), d, ExportOptions(progress=False))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -244,7 +244,7 @@ def test_budget_parser_returns_a_finite_budget_or_one_line(text, metric):
     except UserError as e:
         assert "\n" not in str(e) and str(e)
         return
-    assert b.metric in ("accuracy", "kl", "kl-text") and 0 <= b.points <= 100
+    assert b.metric in ("accuracy", "kl", "kl-text") and 0 <= b.limit <= 100
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),

@@ -9,7 +9,8 @@ import torch
 from hub_server import HubServer
 from tiny import tiny_model
 
-from exporters.export import MANIFEST, export_pruned
+from exporters.export import ExportOptions, export_pruned
+from exporters.manifest import MANIFEST
 from prune_heads.heads import HeadSet
 
 HEADS = HeadSet.of({0: [0, 3], 1: [1, 4], 2: [2, 5], 3: [0, 3]})
@@ -18,7 +19,7 @@ HEADS = HeadSet.of({0: [0, 3], 1: [1, 4], 2: [2, 5], 3: [0, 3]})
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("export")
-    export_pruned(tiny_model("llama"), HEADS, d, log=lambda *a: None, progress=False)
+    export_pruned(tiny_model("llama"), HEADS, d, ExportOptions(progress=False))
     return d
 
 

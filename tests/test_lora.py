@@ -6,7 +6,7 @@ import torch
 from test_export import UNEVEN, logits
 from tiny import tiny_model
 
-from exporters.export import export_pruned
+from exporters.export import ExportOptions, export_pruned
 from exporters.lora import slice_adapter
 from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel
@@ -43,11 +43,11 @@ def test_sliced_adapter_on_pruned_base_equals_ablated_base_with_adapter(family, 
 
     pruned_dir = tmp_path / "pruned"
     pruned_dir.mkdir()
-    result = export_pruned(lm, UNEVEN, pruned_dir, layout=layout, log=lambda *a: None, progress=False)
+    result = export_pruned(lm, UNEVEN, pruned_dir, ExportOptions(layout=layout, progress=False))
     with ablate(merged, result.choice.plan):
         expected = logits(merged.model)
 
-    sliced = slice_adapter(adapter_dir, pruned_dir, tmp_path / "sliced", log=lambda *a: None)
+    sliced = slice_adapter(adapter_dir, pruned_dir, tmp_path / "sliced")
     trust = result.choice.layout == "per-layer"
     base = AutoModelForCausalLM.from_pretrained(pruned_dir, trust_remote_code=trust)
     with_adapter = PeftModel.from_pretrained(base, sliced)
@@ -60,7 +60,7 @@ def test_adapt_command_and_bad_inputs(tmp_path, capsys):
     adapter_dir, _ = _adapter(lm, tmp_path, ["q_proj", "o_proj"])
     pruned_dir = tmp_path / "pruned"
     pruned_dir.mkdir()
-    export_pruned(lm, UNEVEN, pruned_dir, log=lambda *a: None, progress=False)
+    export_pruned(lm, UNEVEN, pruned_dir, ExportOptions(progress=False))
     with pytest.raises(SystemExit) as e:
         main(["adapt", str(adapter_dir), "--pruned", str(pruned_dir), "--out", str(tmp_path / "a")])
     assert e.value.code == 0 and (tmp_path / "a" / "adapter_model.safetensors").is_file()
@@ -126,15 +126,15 @@ def test_dora_on_queries_with_zero_padding_heads_is_refused_and_works_without_th
     peft_model.save_pretrained(adapter_dir)
     padded = tmp_path / "padded"
     padded.mkdir()
-    result = export_pruned(lm, UNEVEN, padded, layout="uniform", log=lambda *a: None, progress=False)
+    result = export_pruned(lm, UNEVEN, padded, ExportOptions(layout="uniform", progress=False))
     assert any(h is None for lp in result.choice.plan.layers for h in lp.slots)  # zero padding heads exist
-    with pytest.raises(UserError, match="DoRA on the query projection.*--layout masked"):
-        slice_adapter(adapter_dir, padded, tmp_path / "s1", log=lambda *a: None)
+    with pytest.raises(UserError, match="DoRA on the query projection.*`layout` masked"):
+        slice_adapter(adapter_dir, padded, tmp_path / "s1")
     # The masked layout keeps every row: the DoRA adapter slices and reproduces the ablated merged model.
     masked = tmp_path / "masked"
     masked.mkdir()
-    result = export_pruned(lm, UNEVEN, masked, layout="masked", log=lambda *a: None, progress=False)
-    sliced = slice_adapter(adapter_dir, masked, tmp_path / "s2", log=lambda *a: None)
+    result = export_pruned(lm, UNEVEN, masked, ExportOptions(layout="masked", progress=False))
+    sliced = slice_adapter(adapter_dir, masked, tmp_path / "s2")
     merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
     with ablate(merged, result.choice.plan):
         expected = logits(merged.model)

@@ -7,7 +7,9 @@ from tiny import tiny_model
 from prune_heads.data.mmlu import build_prompt, load_mmlu
 from prune_heads.data.tasks import Question, Subject
 from prune_heads.errors import UserError
-from prune_heads.eval.passes import encode_task, evaluate, evaluate_many, evaluate_reference, paired_delta
+from prune_heads.eval.encoding import encode_task
+from prune_heads.eval.passes import evaluate, evaluate_many, evaluate_reference
+from prune_heads.eval.results import paired_delta
 from prune_heads.heads import HeadSet
 
 
@@ -103,7 +105,7 @@ def test_dynamic_masks_group_by_question_and_match_reference(tmp_path):
 
 
 def test_paired_delta_and_confidence_interval_by_hand():
-    from prune_heads.eval.passes import EvalResult
+    from prune_heads.eval.results import EvalResult
 
     qs = [q(i, "x", ["a", "b", "c", "d"], 0) for i in range(4)]
     base = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0]]))
@@ -128,9 +130,12 @@ def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
 
 
 def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one_pass(tmp_path):
-    from prune_heads.eval.passes import split_blocks
+    from prune_heads.eval.encoding import split_blocks
     from prune_heads.eval.work import Work
     from prune_heads.io.files import StagedDirectory
+    from prune_heads.plan.planner import planner_for
+    from prune_heads.search.budget import Budget
+    from prune_heads.search.verifier import Verifier, VerifierSetup
 
     lm = tiny_model("mistral")
     enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=5, per_subject=8))))
@@ -140,12 +145,14 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
         work = Work(lm, staged, batch_size=4, progress=False)
         base = work.evaluate(enc, None)
         heads = HeadSet.of({0: [0, 1, 2], 1: [3]})
-        full = work.evaluate_sequential(blocks, heads, "x", base, lambda part, b: False)
+        # A KL budget no ablation meets: the first block already decides the point over it.
+        verifier = Verifier(work, planner_for(lm), enc, VerifierSetup(Budget(1e-9, "kl"), "auto", 3), base)
+        assert [len(b) for b in verifier.blocks] == [len(b) for b in blocks]
+        full = verifier.evaluate_complete(heads, "x")  # every block, never stopped
         assert torch.equal(full.loglik, evaluate(lm, enc, heads, batch_size=4, progress=False).loglik)
         assert [q.index for q in full.questions] == [q.index for q in base.questions] and not full.meta
-        seen = []
-        part = work.evaluate_sequential(blocks, heads, "x", base, lambda p, b: seen.append(len(p.questions)) or True)
-        assert seen == [len(blocks[0])] and part.meta["stopped_early"] and len(part.questions) == len(blocks[0])
+        part = verifier.evaluate(heads, "x")
+        assert part.meta["stopped_early"] and len(part.questions) == len(blocks[0])
         assert {q.subject for q in part.questions} == {s.name for s in blocks[0].subjects}
     # Single-subject tasks are cut into runs of questions.
     one = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=1, per_subject=12))))

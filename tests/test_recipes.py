@@ -53,7 +53,7 @@ def test_budget_unit_beats_recipe_metric_but_explicit_metric_conflicts(tmp_path)
     assert resolve_settings(str(model), str(recipe), mmlu=mmlu).metric == "kl"
     assert resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="1%").metric == "accuracy"
     assert resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="0.1").metric == "kl"
-    with pytest.raises(UserError, match="but --metric is kl"):
+    with pytest.raises(UserError, match="but `metric` is kl"):
         resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="1%", metric="kl")
 
 

@@ -13,8 +13,8 @@ from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny
 
 from prune_heads.data.tasks import Question
-from prune_heads.eval.passes import EvalResult, answer_kl, paired_delta
-from prune_heads.search.prefixes import Budget
+from prune_heads.eval.results import EvalResult, answer_kl, paired_delta
+from prune_heads.search.budget import Budget
 from prune_heads.search.resolution import Resolution, per_subject_for, predict
 
 PILOT, PLANNED, DRAWS = 400, 1000, 800

@@ -164,14 +164,14 @@ def test_sigterm_stops_cleanly_and_says_how_to_resume(setup, tmp_path):
 def test_full_disk_leaves_no_partial_export(setup, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from exporters.export import export_pruned
+    from exporters.export import ExportOptions, export_pruned
     from prune_heads.heads import HeadSet
 
     lm = tiny_model("llama")
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(UserError, match="not enough disk space"):
-        export_pruned(lm, HeadSet.of({0: [1]}), tmp_path, log=lambda *a: None, progress=False)
+        export_pruned(lm, HeadSet.of({0: [1]}), tmp_path, ExportOptions(progress=False))
     assert not list(tmp_path.iterdir())
     monkeypatch.setattr(shutil, "disk_usage", real)
 
@@ -184,7 +184,7 @@ def test_full_disk_leaves_no_partial_export(setup, tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(mu, "safe_save_file", full)
     with pytest.raises(UserError, match="filled up while writing the .* export"):
-        export_pruned(lm, HeadSet.of({0: [1]}), tmp_path, log=lambda *a: None, progress=False)
+        export_pruned(lm, HeadSet.of({0: [1]}), tmp_path, ExportOptions(progress=False))
     assert not list(tmp_path.iterdir())
 
 

@@ -1,16 +1,18 @@
 import pytest
 import torch
+from tiny import FnEvaluator
 
 from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
-from prune_heads.eval.passes import EvalResult
+from prune_heads.eval.results import EvalResult
 from prune_heads.heads import HeadSet
-from prune_heads.search.prefixes import Budget, search_budget
+from prune_heads.search.budget import Budget
+from prune_heads.search.prefixes import SearchOptions, search_budget
 
 
 @pytest.mark.parametrize("text,points", [("1%", 1.0), ("0.5", 0.5), ("2pt", 2.0), (" 1.5 % ", 1.5), ("3 points", 3.0), (".5", 0.5)])
 def test_budget_parses(text, points):
-    assert Budget.parse(text).points == points
+    assert Budget.parse(text).limit == points
 
 
 @pytest.mark.parametrize("text", ["abc", "-1%", "1%%", "", "150%", "1 bit"])
@@ -40,7 +42,7 @@ def test_search_finds_largest_size_within_budget_and_keeps_every_point():
         return result_with_accuracy(120 if k <= 13 else 100)  # drop of 10 points past 13 heads
 
     baseline = result_with_accuracy(120)
-    res = search_budget(ranking, evaluate, baseline, Budget(1.0), grid=(0.05, 0.10, 0.15, 0.20, 0.25), patience=2, refine_steps=4)
+    res = search_budget(ranking, FnEvaluator(evaluate, baseline, Budget(1.0)), SearchOptions(grid=(0.05, 0.10, 0.15, 0.20, 0.25), patience=2, refine_steps=4))
     assert res.best.num_heads == 13
     assert res.best.heads == HeadSet.from_pairs(ranking[:13])
     sizes = [p.num_heads for p in res.curve()]
@@ -55,8 +57,7 @@ def test_non_monotone_curve_takes_largest_passing_point():
     def evaluate(heads, label):
         return result_with_accuracy({4: 119, 8: 110, 12: 120, 16: 100, 20: 100}.get(len(heads), 100))
 
-    res = search_budget(ranking, evaluate, result_with_accuracy(120), Budget(1.0), grid=(0.1, 0.2, 0.3, 0.4, 0.5),
-                        patience=2, refine_steps=0)
+    res = search_budget(ranking, FnEvaluator(evaluate, result_with_accuracy(120), Budget(1.0)), SearchOptions(grid=(0.1, 0.2, 0.3, 0.4, 0.5), patience=2, refine_steps=0))
     assert res.best.num_heads == 12
     assert not [p for p in res.points if p.num_heads == 8][0].within_budget
 
@@ -66,18 +67,18 @@ def test_non_monotone_curve_takes_largest_passing_point():
                                                   ("0.1nat", "kl-text", ("kl-text", 0.1))])
 def test_kl_budgets(text, metric, expected):
     b = Budget.parse(text, metric)
-    assert (b.metric, b.points) == expected
+    assert (b.metric, b.limit) == expected
 
 
 def test_budget_unit_must_match_metric():
-    with pytest.raises(UserError, match="in nats, but --metric is mmlu"):
+    with pytest.raises(UserError, match="in nats, but `metric` is mmlu"):
         Budget.parse("0.05nat", "mmlu")
-    with pytest.raises(UserError, match="in accuracy points, but --metric is kl"):
+    with pytest.raises(UserError, match="in accuracy points, but `metric` is kl"):
         Budget.parse("1%", "kl")
 
 
 def test_answer_kl_and_agreement_by_hand():
-    from prune_heads.eval.passes import agreement, answer_kl
+    from prune_heads.eval.results import agreement, answer_kl
 
     base = EvalResult(QS[:2], torch.log(torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])))
     abl = EvalResult(QS[:2], torch.log(torch.tensor([[0.4, 0.4, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])) + 3.0)
@@ -100,7 +101,7 @@ def test_kl_budget_drives_the_search():
         return EvalResult(QS, ll)
 
     base = evaluate(HeadSet(), "")
-    res = search_budget(ranking, evaluate, base, Budget(0.02, "kl"), grid=(0.1, 0.2, 0.3, 0.4), patience=1, refine_steps=3)
+    res = search_budget(ranking, FnEvaluator(evaluate, base, Budget(0.02, "kl")), SearchOptions(grid=(0.1, 0.2, 0.3, 0.4), patience=1, refine_steps=3))
     assert all(p.accuracy == base.accuracy for p in res.points)  # accuracy cannot see this damage
     assert 0 < res.best.num_heads < 40 and res.best.kl <= 0.02
     over = [p for p in res.points if not p.within_budget]
@@ -108,7 +109,7 @@ def test_kl_budget_drives_the_search():
 
 
 def test_decided_over_budget_uses_the_ci_of_the_questions_so_far():
-    from prune_heads.search.prefixes import decided_over_budget
+    from prune_heads.search.budget import decided_over_budget
 
     qs = QS[:40]
     base = EvalResult(qs, torch.tensor([[1.0, 0, 0, 0]] * 40))  # all right

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from test_export import EVEN, UNEVEN
 from tiny import FAMILIES, tiny_model
 
-from exporters.export import export_pruned
+from exporters.export import ExportOptions, export_pruned
 from exporters.stream import INDEX, streamable
 from prune_heads.models.loading import load_model
 
@@ -41,8 +41,8 @@ def test_streamed_export_equals_the_export_from_memory(family, tmp_path):
         memory = dataclasses.replace(lm, source=dataclasses.replace(lm.source, kind="embedded"))  # not streamable
         a, b = tmp_path / f"{layout}-stream", tmp_path / f"{layout}-memory"
         a.mkdir(), b.mkdir()
-        streamed = export_pruned(lm, heads, a, layout, "100KB", log=lambda *x: None, progress=False)
-        written = export_pruned(memory, heads, b, layout, "100KB", log=lambda *x: None, progress=False)
+        streamed = export_pruned(lm, heads, a, ExportOptions(layout=layout, max_shard_size="100KB", progress=False))
+        written = export_pruned(memory, heads, b, ExportOptions(layout=layout, max_shard_size="100KB", progress=False))
         assert streamed.verification["streamed"] and not written.verification["streamed"]
         assert streamed.verification["max_abs_logit_diff"] <= streamed.verification["tolerance"]
         x, y = _tensors(a), _tensors(b)
@@ -57,7 +57,7 @@ def test_the_source_is_released_before_the_reload(tmp_path):
     lm = _source(tmp_path, "qwen2")
     out = tmp_path / "out"
     out.mkdir()
-    result = export_pruned(lm, EVEN, out, "uniform", "2GB", log=lambda *x: None, progress=False, release_source=True)
+    result = export_pruned(lm, EVEN, out, ExportOptions(layout="uniform", max_shard_size="2GB", progress=False, release_source=True))
     v = result.verification
     assert v["source_released"] and v["streamed"] and v["max_abs_logit_diff"] <= v["tolerance"]
     assert all(p.device.type == "meta" for p in lm.model.parameters())  # gone before the reload came in
@@ -93,8 +93,8 @@ def test_a_streamed_export_in_another_dtype_casts_what_it_cannot_copy(tmp_path):
     memory = dataclasses.replace(bf16, source=dataclasses.replace(bf16.source, kind="embedded"))
     a, b = tmp_path / "stream", tmp_path / "memory"
     a.mkdir(), b.mkdir()
-    streamed = export_pruned(bf16, EVEN, a, "uniform", "100KB", log=lambda *x: None, progress=False)
-    export_pruned(memory, EVEN, b, "uniform", "100KB", log=lambda *x: None, progress=False)
+    streamed = export_pruned(bf16, EVEN, a, ExportOptions(layout="uniform", max_shard_size="100KB", progress=False))
+    export_pruned(memory, EVEN, b, ExportOptions(layout="uniform", max_shard_size="100KB", progress=False))
     assert streamed.verification["streamed"] and lm.dtype == torch.float32
     x, y = _tensors(a), _tensors(b)
     assert x.keys() == y.keys() and all(x[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x)

@@ -1,5 +1,7 @@
-"""The shape of the code: the core never imports the exporters or the CLI, no import cycles, no function over 60
-lines, no line over 120 characters (ruff checks the rest in CI)."""
+"""The shape of the code: the packages and the core's stages import only earlier stages (never a later one, never the
+exporters or the CLI), no import cycles, no callable passed from one stage into another, no function over 60 lines or
+8 parameters, no module over 400 lines, click only in the CLI, no line over 120 characters (ruff checks the rest in
+CI)."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +10,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("prune_heads", "exporters", "prune_heads_cli")
+# The order one run flows through (docs/ARCHITECTURE.md): a module may import its own stage and earlier ones only.
+STAGES = (
+    "prune_heads",  # the package root: the version
+    "prune_heads.errors",  # typed errors carrying facts
+    "prune_heads.io",  # readers, files and the --out rule, cache, ranks, disk space
+    "prune_heads.heads",  # HeadSet, ScoreTable
+    "prune_heads.console",  # what a run says (the CLI shows it)
+    "prune_heads.memory",  # the memory policy the entry point installs
+    "prune_heads.models",  # adapters (the only architecture knowledge), loading, geometry, pass budgets, counting
+    "prune_heads.data",  # tasks, MMLU, calibration texts
+    "prune_heads.plan",  # Planner/PrunePlan, slicing, ablation, healing
+    "prune_heads.scoring",  # the one-pass hooks
+    "prune_heads.eval",  # encoding, log-likelihood passes, results and paired statistics, text KL, cached work
+    "prune_heads.search",  # budget, units, the search, verifier, selection, resolution, confirmation
+    "prune_heads.report",  # report.json, plots, study, compare
+    "prune_heads.pipeline",  # recipes, settings, inputs, the stages of one run
+    "exporters",  # formats built on the core
+    "prune_heads_cli",  # the command table, options, and the wording of errors
+)
+MAX_PARAMETERS, MAX_MODULE_LINES = 8, 400
 
 
 def _modules() -> dict[str, Path]:
@@ -45,13 +67,84 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def test_layers_point_one_way():
+def stage_of(module: str) -> int:
+    """The index in STAGES of the longest stage prefix of ``module``."""
+    best = max((s for s in STAGES if module == s or module.startswith(s + ".")), key=len)
+    return STAGES.index(best)
+
+
+def test_every_module_has_a_stage():
+    assert all(stage_of(m) > 0 or m == "prune_heads" for m in _modules())
+
+
+def test_stages_import_only_earlier_stages():
     graph = _graph()
-    back = [(m, t) for m, ts in graph.items() for t in ts
-            if (m.startswith("prune_heads.") or m == "prune_heads") and t.startswith(("exporters", "prune_heads_cli"))]
-    back += [(m, t) for m, ts in graph.items() for t in ts
-             if m.startswith("exporters") and t.startswith("prune_heads_cli")]
+    back = [f"{m} ({STAGES[stage_of(m)]}) imports {t} ({STAGES[stage_of(t)]})" for m, ts in graph.items()
+            for t in ts if stage_of(t) > stage_of(m)]
     assert back == []
+
+
+def _imported_from(tree: ast.Module, name: str, modules: dict[str, Path]) -> dict[str, str]:
+    """Names bound by imports in a module -> the package module they come from."""
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                found[a.asname or a.name] = full if full in modules else node.module
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                found[a.asname or a.name.split(".")[0]] = a.name
+    return {k: v for k, v in found.items() if v in modules}
+
+
+def test_no_callable_is_passed_from_one_stage_into_another():
+    """Stages are joined by typed values: no parameter typed Callable, and no lambda or function of ours handed to a
+    function of another stage."""
+    modules, passed, typed = _modules(), [], []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        imported = _imported_from(tree, name, modules)
+        methods = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+        defined = {n.name for n in ast.walk(tree)
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(n) not in methods}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                typed += [f"{path.name}:{node.name}({a.arg})" for a in args
+                          if a.annotation is not None and "Callable" in ast.unparse(a.annotation)]
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func.value if isinstance(node.func, ast.Attribute) else node.func
+            callee = imported.get(func.id) if isinstance(func, ast.Name) else None
+            if callee is None or stage_of(callee) == stage_of(name):
+                continue
+            values = node.args + [k.value for k in node.keywords]
+            passed += [f"{path.name}:{node.lineno} -> {callee}" for v in values
+                       if isinstance(v, ast.Lambda) or (isinstance(v, ast.Name) and v.id in defined)]
+    assert typed == [] and passed == []
+
+
+def test_no_function_over_8_parameters_and_no_module_over_400_lines():
+    wide, long_modules = [], []
+    for path in _modules().values():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            long_modules.append(f"{path.relative_to(ROOT)} ({len(source.splitlines())} lines)")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                if len(names) > MAX_PARAMETERS:
+                    wide.append(f"{path.name}:{node.name} ({len(names)} parameters)")
+    assert wide == [] and long_modules == []
+
+
+def test_click_only_in_the_cli():
+    users = [name for name, path in _modules().items() if not name.startswith("prune_heads_cli")
+             and any(isinstance(n, (ast.Import, ast.ImportFrom)) and "click" in ast.unparse(n).split()
+                     for n in ast.walk(ast.parse(path.read_text())))]
+    assert users == []
 
 
 def test_no_import_cycles():

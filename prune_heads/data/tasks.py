@@ -322,13 +322,13 @@ def load_task(task: str, path: str | None) -> TaskData:
         raise ValueError("MMLU tasks are read by data.mmlu.load_mmlu")
     if not path:
         raise UserError(
-            f"--task {task} needs its questions: pass --task-data FILE, a .jsonl or .parquet file in the "
+            f"`task` {task} needs its questions: pass `task_data` FILE, a .jsonl or .parquet file in the "
             f"{SCHEMAS[task]} schema (downloaded from the Hub once)"
         )
     p = Path(path)
     if not p.is_file():
         raise UserError(
-            f"--task-data {path} does not exist; pass a .jsonl or .parquet file in the {SCHEMAS[task]} schema"
+            f"`task_data` {path} does not exist; pass a .jsonl or .parquet file in the {SCHEMAS[task]} schema"
         )
     questions, skipped = [], 0
     for i, row in enumerate(read_rows(p)):
@@ -345,5 +345,5 @@ def load_task(task: str, path: str | None) -> TaskData:
             continue
         questions.append(Question(task, i, text, choices, gold, fmt.norm_lengths(choices)))
     if not questions:
-        raise UserError(f"--task-data {path} has no usable {task} rows; expected the {SCHEMAS[task]} schema")
+        raise UserError(f"`task_data` {path} has no usable {task} rows; expected the {SCHEMAS[task]} schema")
     return TaskData(str(p), [Subject(task, [], questions)], skipped, "none (0-shot)", task=task)

@@ -1,9 +1,5 @@
-"""Multiple-choice log-likelihood evaluation (MMLU 5-shot and the other tasks of data/tasks.py), as
-lm-evaluation-harness computes it, with and without ablation.
-
-Tokenisation follows lm-eval's HFLM: trailing spaces of the context move to the continuation, ``context_enc =
-enc(context)``, ``continuation_enc = enc(context + continuation)[len(context_enc):]``, no special tokens (BOS only
-where the family needs it), and the model reads ``(context_enc + continuation_enc)[:-1]``.
+"""Multiple-choice log-likelihood passes (MMLU 5-shot and the other tasks of data/tasks.py), as
+lm-evaluation-harness computes them, with and without ablation (tokenisation: encoding.py).
 
 Three paths compute the same numbers:
 - ``evaluate_reference``: one full sequence per question and choice, nothing shared (the definition);
@@ -18,184 +14,20 @@ Three paths compute the same numbers:
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from prune_heads.data.tasks import LETTERS, TASKS, Question, TaskData
-from prune_heads.errors import UserError
+from prune_heads import memory
+from prune_heads.eval.encoding import EncodedQuestion, EncodedSubject, EncodedTask
 from prune_heads.eval.prefix_cache import expanded, reservable, reserve
+from prune_heads.eval.results import EvalResult
 from prune_heads.heads import HeadSet
-from prune_heads.models.batching import pass_budget, text_batches
+from prune_heads.models.batching import pass_budget
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import HeadAblation, mask_for
 from prune_heads.plan.planner import PrunePlan
-from prune_heads_cli.memory import release_free, released_after_each
-
-
-def encode(lm: LoadedModel, text: str) -> list[int]:
-    """``text`` as the model's token ids (BOS first for the families lm-eval gives one); a tokenizer that produces
-    an id the embedding has no row for is refused before any pass."""
-    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if lm.arch.add_bos_for_eval and lm.tokenizer.bos_token_id is not None:
-        ids = [lm.tokenizer.bos_token_id] + ids
-    rows = lm.model.get_input_embeddings().num_embeddings
-    if ids and max(ids) >= rows:
-        raise UserError(f"the tokenizer of {lm.source.spec} produces token id {max(ids)} (its vocabulary has "
-                        f"{len(lm.tokenizer):,} tokens), but the model's embedding has {rows:,} rows: the tokenizer "
-                        "does not belong to these weights; pass the model's own tokenizer files")
-    return ids
-
-
-def encode_pair(lm: LoadedModel, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-eval's ``_encode_pair``: trailing spaces of the context belong to the continuation."""
-    n_spaces = len(context) - len(context.rstrip())
-    if n_spaces:
-        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
-    context_enc = encode(lm, context)
-    return context_enc, encode(lm, context + continuation)[len(context_enc):]
-
-
-@dataclass
-class EncodedQuestion:
-    question: Question
-    context: list[int]  # the context of every choice (WinoGrande: of the first; see contexts)
-    continuations: list[list[int]]  # one per choice
-    fast: bool  # context extends the subject prefix and every continuation is one token
-    contexts: list[list[int]] | None = None  # one per choice where they differ (WinoGrande's partial evaluation)
-
-    def request(self, choice: int) -> tuple[list[int], list[int]]:
-        return (self.contexts[choice] if self.contexts else self.context), self.continuations[choice]
-
-
-@dataclass
-class EncodedSubject:
-    name: str
-    prefix: list[int]
-    items: list[EncodedQuestion]
-
-
-@dataclass
-class EncodedTask:
-    subjects: list[EncodedSubject]
-    task: str = "mmlu"
-
-    @property
-    def items(self) -> list[EncodedQuestion]:
-        return [it for s in self.subjects for it in s.items]
-
-    @property
-    def num_choices(self) -> int:
-        return max((len(it.continuations) for it in self.items), default=4)
-
-    def __len__(self) -> int:
-        return sum(len(s.items) for s in self.subjects)
-
-
-def split_blocks(enc: EncodedTask, blocks: int) -> list[EncodedTask]:
-    """``blocks`` parts of the task for sequential evaluation: subjects dealt round-robin, so every part samples the
-    whole range of subjects (a task with one subject is cut into runs of questions)."""
-    if len(enc.subjects) >= blocks:
-        return [EncodedTask(enc.subjects[b::blocks], enc.task) for b in range(blocks)]
-    parts = []
-    for b in range(blocks):
-        subjects = [EncodedSubject(s.name, s.prefix, s.items[b::blocks]) for s in enc.subjects]
-        parts.append(EncodedTask([s for s in subjects if s.items], enc.task))
-    return [p for p in parts if len(p)]
-
-
-def task_span(enc: EncodedTask, lo: int, hi: int) -> EncodedTask:
-    """Questions ``lo`` to ``hi`` of the task (in ``items`` order), each subject keeping its shared prefix."""
-    subjects, offset = [], 0
-    for s in enc.subjects:
-        a, b = max(lo - offset, 0), min(hi - offset, len(s.items))
-        if a < b:
-            subjects.append(EncodedSubject(s.name, s.prefix, s.items[a:b]))
-        offset += len(s.items)
-    return EncodedTask(subjects, enc.task)
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def encode_task(lm: LoadedModel, data: TaskData) -> EncodedTask:
-    fmt = TASKS[data.task]
-    subjects = []
-    for subject in data.subjects:
-        prefix_text = fmt.prefix(subject)
-        prefix = encode(lm, prefix_text) if prefix_text else []
-        items, shared = [], len(prefix)
-        for q in subject.questions:
-            pairs = [encode_pair(lm, c, cont) for c, cont in fmt.requests(subject, q)]
-            contexts = [p[0] for p in pairs]
-            same = all(c == contexts[0] for c in contexts)
-            item = EncodedQuestion(q, contexts[0], [p[1] for p in pairs], same and all(len(p[1]) == 1 for p in pairs),
-                                   None if same else contexts)
-            items.append(item)
-            # The prefix's last tokens can merge differently once the question follows ("\n\n" vs "\n","\n"), so
-            # share only the tokens every context really starts with.
-            shared = min(shared, _common_prefix_len(prefix, item.context), len(item.context) - 1)
-        for it in items:
-            it.fast = it.fast and shared > 0
-        subjects.append(EncodedSubject(subject.name, prefix[: max(shared, 0)], items))
-    return EncodedTask(subjects, data.task)
-
-
-@dataclass
-class EvalResult:
-    """Per-question log-likelihoods of the choices, in question order (-inf pads questions with fewer choices)."""
-
-    questions: list[Question]
-    loglik: torch.Tensor  # [N, C] float64
-    label: str = ""
-    meta: dict = field(default_factory=dict)  # extra measurements of the same ablation (kl_text: next-token KL)
-
-    @property
-    def gold(self) -> torch.Tensor:
-        return torch.tensor([q.gold for q in self.questions])
-
-    @property
-    def scores(self) -> torch.Tensor:
-        """What the prediction maximises: the log-likelihood (acc), or per character of the choice (acc_norm)."""
-        if not self.questions or self.questions[0].norm_lengths is None:
-            return self.loglik
-        lengths = torch.ones_like(self.loglik)
-        for i, q in enumerate(self.questions):
-            lengths[i, : len(q.norm_lengths)] = torch.tensor(q.norm_lengths, dtype=torch.float64).clamp(min=1.0)
-        return self.loglik / lengths
-
-    @property
-    def pred(self) -> torch.Tensor:
-        return self.scores.argmax(dim=-1)
-
-    @property
-    def correct(self) -> torch.Tensor:
-        return (self.pred == self.gold).double()
-
-    @property
-    def accuracy(self) -> float:
-        return float(self.correct.mean()) if len(self.questions) else float("nan")
-
-    def rows(self) -> list[dict]:
-        return [
-            {
-                "subject": q.subject,
-                "index": q.index,
-                "gold": LETTERS[q.gold],
-                "pred": LETTERS[int(p)],
-                "loglik": [round(float(x), 6) for x in ll[: len(q.choices)]],
-            }
-            for q, p, ll in zip(self.questions, self.pred, self.loglik)
-        ]
 
 
 def empty_loglik(enc: "EncodedTask", *leading: int) -> torch.Tensor:
@@ -351,7 +183,7 @@ def _fast_subject(
     if masks is not None:
         abl.set_mask(masks)
     # Activations in host memory only: on an accelerator the C heap holds none of them.
-    with released_after_each(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()):
+    with memory.policy().per_layer(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()):
         return _subject_passes(lm, subject, rows, batch_size, n, abl, masks)
 
 
@@ -385,7 +217,7 @@ def _subject_passes(lm, subject, rows, batch_size, n, abl, masks) -> list[dict[i
         ).logits  # [n*c, len(ends), V]
         if reserved:
             cache.crop(-ids.shape[1])
-        release_free()
+        memory.policy().after_pass()
         for s in range(n):
             for q, r in enumerate(chunk):
                 lp = _logprobs_at(logits[s * len(padded) + q, ends.index(lengths[q] - 1)])
@@ -470,77 +302,22 @@ def _batched_all(lm, items, batch_size, abl, row_masks, progress, desc) -> list[
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Statistics
 
 
-def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (float("nan"), float("nan"))
-    p = k / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def indistinguishable_from_chance(result: EvalResult, chance: float = 0.25) -> bool:
-    lo, hi = wilson_interval(float(result.correct.sum()), len(result.questions))
-    return lo <= chance <= hi
 
 
-@dataclass(frozen=True)
-class PairedDelta:
-    """Ablated minus baseline accuracy on the same questions, in accuracy points, with a 95% CI."""
-
-    delta: float
-    ci_low: float
-    ci_high: float
-    n: int
-
-    def to_json(self) -> dict:
-        return {
-            "delta_points": round(self.delta, 4),
-            "ci95_points": [round(self.ci_low, 4), round(self.ci_high, 4)],
-            "n": self.n,
-        }
 
 
-def restricted(baseline: EvalResult, result: EvalResult) -> EvalResult:
-    """``baseline`` on exactly ``result``'s questions, in its order (a point stopped early covers only some)."""
-    if len(result.questions) == len(baseline.questions):
-        return baseline
-    position = {(q.subject, q.index): i for i, q in enumerate(baseline.questions)}
-    rows = torch.tensor([position[(q.subject, q.index)] for q in result.questions])
-    return EvalResult(result.questions, baseline.loglik[rows], baseline.label, baseline.meta)
 
 
-def in_order_of(reference: EvalResult, result: EvalResult) -> EvalResult:
-    """``result`` (the same questions in another order) laid out in ``reference``'s question order."""
-    position = {(q.subject, q.index): i for i, q in enumerate(result.questions)}
-    rows = torch.tensor([position[(q.subject, q.index)] for q in reference.questions])
-    return EvalResult(reference.questions, result.loglik[rows], result.label, result.meta)
 
 
-def answer_kl(ablated: EvalResult, baseline: EvalResult) -> torch.Tensor:
-    """Per question, KL(unablated || ablated) in nats between the two models' distributions over the choices (each
-    model's log-likelihoods of the choices renormalised over them: the four answer letters for MMLU)."""
-    p = torch.log_softmax(baseline.loglik.double(), dim=-1)
-    q = torch.log_softmax(ablated.loglik.double(), dim=-1)
-    terms = torch.where(torch.isfinite(p), p.exp() * (p - q), torch.zeros_like(p))  # -inf pads: missing choices
-    return terms.sum(-1).clamp(min=0.0)
 
 
-def agreement(ablated: EvalResult, baseline: EvalResult) -> float:
-    return float((ablated.pred == baseline.pred).double().mean())
 
 
-def paired_delta(ablated: EvalResult, baseline: EvalResult, z: float = 1.96) -> PairedDelta:
-    d = (ablated.correct - baseline.correct) * 100.0
-    n = d.numel()
-    mean = float(d.mean())
-    se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
-    return PairedDelta(mean, mean - z * se, mean + z * se, n)
 
 
 @torch.no_grad()
@@ -592,30 +369,3 @@ def evaluate_many(
     return [EvalResult(questions, loglik[s], label) for s in range(n)]
 
 
-@torch.no_grad()
-def next_token_kl(
-    lm: LoadedModel,
-    sequences: Sequence[Sequence[int]],
-    masks: "HeadSet | PrunePlan | torch.Tensor",
-    batch_size: int = 8,
-) -> torch.Tensor:
-    """Per sequence, the mean over its positions of KL(unablated || ablated) in nats between the two models'
-    next-token distributions: damage measured on text itself, whatever the model's accuracy. ``[len(sequences)]``."""
-    out = torch.zeros(len(sequences), dtype=torch.float64)
-    dev = lm.device
-    with HeadAblation(lm) as abl:
-        for idx in text_batches(lm, sequences, batch_size, full_logits=True):
-            lengths = torch.tensor([len(sequences[i]) for i in idx])
-            ids = torch.zeros(len(idx), int(lengths.max()), dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids[row, : lengths[row]] = torch.tensor(list(sequences[i]))
-            ids = ids.to(dev)
-            abl.set_mask(None)
-            p = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
-            abl.set_mask(masks)
-            q = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
-            kl = (p.exp() * (p - q)).sum(-1).clamp(min=0.0).double().cpu()  # [B, S]
-            real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]  # right padding: real tokens only
-            for row, i in enumerate(idx):
-                out[i] = kl[row][real[row]].mean()
-    return out

@@ -6,19 +6,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 
-import click
 import torch
 
-from prune_heads.eval.passes import (
-    EncodedTask,
-    EvalResult,
-    evaluate,
-    evaluate_many,
-    in_order_of,
-    next_token_kl,
-    restricted,
-    task_span,
-)
+from prune_heads.console import say
+from prune_heads.eval.encoding import EncodedTask, task_span
+from prune_heads.eval.passes import evaluate, evaluate_many
+from prune_heads.eval.results import EvalResult
+from prune_heads.eval.textkl import next_token_kl
 from prune_heads.heads import HeadSet, ScoreTable
 from prune_heads.io.cache import ResultCache, tokens_digest
 from prune_heads.io.files import StagedDirectory
@@ -44,7 +38,7 @@ class Work:
                           "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
                           "transformers": transformers.__version__, "format": 2}
         if stage is not None and stage.resumed:
-            click.secho(f"resuming: finished work is reused from {stage.cache_dir}", err=True)
+            say(f"resuming: finished work is reused from {stage.cache_dir}")
 
     def _get(self, kind: str, key: dict) -> dict | None:
         """A cache entry as rank 0 reads it, on every rank."""
@@ -137,41 +131,15 @@ class Work:
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 
-    def evaluate_sequential(self, blocks: list[EncodedTask], target, label: str, baseline: EvalResult,
-                            stop) -> EvalResult:
-        """Evaluate ``target`` block by block (each block cached on its own) and stop as soon as ``stop(partial,
-        baseline on the same questions)`` says the point is decided. Returns the questions evaluated so far, in
-        block order, with ``meta["stopped_early"]``; the full result in the baseline's order when every block ran."""
-        done: list[EvalResult] = []
-        for b, block in enumerate(blocks):
-            done.append(self.evaluate(block, target, f"{label} [{b + 1}/{len(blocks)}]"))
-            width = max(r.loglik.shape[1] for r in done)
-            partial = EvalResult([q for r in done for q in r.questions], torch.cat(
-                [torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[1]), value=float("-inf")) for r in done]),
-                label)
-            if b + 1 == len(blocks):
-                return in_order_of(baseline, partial)
-            if stop(partial, restricted(baseline, partial)):
-                partial.meta.update(stopped_early=True, questions_evaluated=len(partial.questions))
-                return partial
-        raise AssertionError("no blocks")
+    def evaluate_model(self, enc: EncodedTask, lm: LoadedModel, identity: str, label: str = "") -> EvalResult:
+        """The task on another model than the run's (an export reloaded, a healed or adapter-sliced model), cached
+        by ``identity``: what that model is (e.g. ``export:<sha256 of its files>``)."""
+        return self.evaluate(enc, None, label, lm=lm, model_key={**self.model_key, "model": identity})
 
-    def evaluate_built(self, enc: EncodedTask, build, model_key: dict, label: str = "") -> EvalResult:
-        """Evaluate a model that is expensive to make (a healed one): ``build()`` runs only on a cache miss."""
-        _, key = self._eval_key(enc, None, model_key)
-        hit = self._get("eval", key)
-        if hit is not None:
-            return EvalResult([it.question for it in enc.items], hit["loglik"], label)
-        return self.evaluate(enc, None, label, lm=build(), model_key=model_key)
-
-    def exported_evaluator(self, enc: EncodedTask):
-        """Evaluate a reloaded export, cached by the content of the files it was loaded from."""
-
-        def run(reloaded: LoadedModel, files_digest: str) -> EvalResult:
-            key = {**self.model_key, "model": f"export:{files_digest}"}
-            return self.evaluate(enc, None, "exported model", lm=reloaded, model_key=key)
-
-        return run
+    def cached_model_evaluation(self, enc: EncodedTask, identity: str, label: str = "") -> EvalResult | None:
+        """``evaluate_model``'s result when it is cached (a model expensive to build is then never built)."""
+        hit = self._get("eval", self._eval_key(enc, None, {**self.model_key, "model": identity})[1])
+        return None if hit is None else EvalResult([it.question for it in enc.items], hit["loglik"], label)
 
     # -- sharing a step out across ranks (one rank: the step as it is) ---------------------------------------------
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from prune_heads.io.files import atomic_write
+from prune_heads.io.files import atomic_path
 
 
 def digest(obj) -> str:
@@ -77,7 +77,8 @@ class ResultCache:
             return
         tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
         meta = {"key": digest(key), "checksum": _checksum(tensors), "kind": kind, "created": str(time.time())}
-        atomic_write(self._path(kind, key), lambda tmp: save_file(tensors, tmp, metadata=meta))
+        with atomic_path(self._path(kind, key)) as tmp:
+            save_file(tensors, tmp, metadata=meta)
         pause = os.environ.get("PRUNE_HEADS_TEST_PAUSE_AFTER_CACHE_WRITE")  # lets the kill -9 tests land mid-run
         if pause:
             time.sleep(float(pause))

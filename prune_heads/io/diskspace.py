@@ -12,7 +12,6 @@ from pathlib import Path
 from prune_heads.errors import DiskFull, UserError, is_disk_full
 
 MARGIN_FRACTION, MARGIN_BYTES = 0.02, 32 << 20  # tokenizer, config, card, manifest, file-system slack
-GGUF_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 int8 + one f16 scale
 
 
 def with_margin(nbytes: int) -> int:
@@ -33,7 +32,7 @@ def check_space(directory: Path, needed: int, what: str) -> None:
     if free < with_margin(needed):
         raise UserError(f"not enough disk space in {directory}: {what} needs about {gib(with_margin(needed))} "
                         f"({gib(needed)} + {MARGIN_FRACTION:.0%} + {gib(MARGIN_BYTES)} margin), {gib(free)} are free; "
-                        "free some space or choose another --out")
+                        "free some space or choose another `out`")
 
 
 @contextmanager

@@ -2,24 +2,27 @@
 and the staging directory every command writes into. Input files are read by readers.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Iterator
 
 from prune_heads.errors import DiskFull, UserError, is_disk_full
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` on a temporary file beside ``path``, fsync it, then rename it into place."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary file beside ``path`` to write inside the block; afterwards it is fsynced and renamed into place
+    (on any failure it is removed and ``path`` is left as it was)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        write(tmp)
+        yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are ordinary files
@@ -28,7 +31,6 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -48,11 +50,9 @@ def _umask() -> int:
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
-    def _write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    return atomic_write(path, _write)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(path)
 
 
 def json_safe(obj: Any) -> Any:
@@ -100,7 +100,7 @@ class StagedDirectory:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.path.mkdir(exist_ok=True)
         except OSError as e:
-            raise UserError(f"--out {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
+            raise UserError(f"`out` {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
                             "directory you can write to") from None
         self._lock = _locked(self.path, self.out)
         try:
@@ -114,7 +114,7 @@ class StagedDirectory:
             if is_disk_full(e):
                 raise DiskFull(self.path, "the staging directory's marker") from None
             if isinstance(e, OSError):
-                raise UserError(f"--out {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
+                raise UserError(f"`out` {self.out} cannot be written ({e.strerror or type(e).__name__}); choose a "
                                 "directory you can write to") from None
             raise
         previous = self.out / "cache"
@@ -132,8 +132,8 @@ class StagedDirectory:
         if why is None:
             return
         if not force:
-            raise UserError(f"--out {self.out} is not empty: {self.path} holds the unfinished work of another run "
-                            f"({why}); rerun that command to finish it, or pass --force to discard it")
+            raise UserError(f"`out` {self.out} is not empty: {self.path} holds the unfinished work of another run "
+                            f"({why}); rerun that command to finish it, or pass `force` to discard it")
         keep = {".lock", "cache"} if same_model(previous, identity) else {".lock"}
         for f in self.path.iterdir():
             if f.name not in keep:
@@ -245,7 +245,7 @@ def _locked(path: Path, out: Path):
     except BlockingIOError:
         lock.close()
         raise UserError(f"another prune-heads run is writing {out} (lock held on {path}); wait for it or choose "
-                        "another --out") from None
+                        "another `out`") from None
     return lock
 
 
@@ -289,20 +289,20 @@ def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list
     for path in inputs:
         how = _overlaps(out, Path(path))
         if how:
-            raise UserError(f"--out {out} {how} the input {path}; writing there would destroy it (even with --force); "
-                            "choose another --out")
+            raise UserError(f"`out` {out} {how} the input {path}; writing there would destroy it (even with `force`); "
+                            "choose another `out`")
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory; choose another path")
+        raise UserError(f"`out` {out} exists and is not a directory; choose another path")
     if not out.is_dir() or not any(out.iterdir()) or force:
         return
     if resume and is_ours(out):
         why = identity_difference(read_identity(out), identity)
         if why:
-            raise UserError(f"--out {out} is not empty: it holds the results of another run ({why}), so --resume "
-                            "cannot continue it; choose another --out, or pass --force to replace it")
+            raise UserError(f"`out` {out} is not empty: it holds the results of another run ({why}), so `resume` "
+                            "cannot continue it; choose another `out`, or pass `force` to replace it")
         return
     if resume:
-        raise UserError(f"--out {out} is not empty and was not written by prune-heads, so there is nothing to "
-                        "resume; choose an empty directory, or pass --force to replace it")
-    raise UserError(f"--out {out} is not empty; choose an empty directory, pass --resume to continue from its "
-                    "cached results, or --force to replace it")
+        raise UserError(f"`out` {out} is not empty and was not written by prune-heads, so there is nothing to "
+                        "resume; choose an empty directory, or pass `force` to replace it")
+    raise UserError(f"`out` {out} is not empty; choose an empty directory, pass `resume` to continue from its "
+                    "cached results, or `force` to replace it")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -49,21 +49,14 @@ class Ranks:
         torch.distributed.all_gather_object(parts, part)
         return parts
 
-    def agree(self, make: Callable[[], Any]) -> Any:
-        """``make()`` on rank 0 alone (creating the output directory, say); its UserError is raised on every rank, so
-        no rank goes on to wait for one that has stopped. The value on rank 0, None on the others."""
-        value, error = None, None
-        if self.root:
-            try:
-                value = make()
-            except UserError as e:
-                error = e
+    def raise_together(self, error: UserError | None) -> None:
+        """After a step rank 0 did alone (creating the output directory, say): its UserError is raised on every
+        rank, so no rank goes on to wait for one that has stopped."""
         message = self.broadcast(str(error) if error is not None else None)
         if error is not None:
             raise error
         if message is not None:
             raise UserError(message)
-        return value
 
     def device(self, device: str, kind: str) -> str:
         """--device for this rank: on CUDA each rank takes its own GPU (cuda:LOCAL_RANK) unless one was named."""

@@ -138,58 +138,6 @@ class ArchAdapter:
     def valid_num_heads(self, config, num_heads: int) -> bool:
         return num_heads > 0
 
-    # -- llama.cpp (GGUF export) -----------------------------------------------------------------------------
-
-    # The llama.cpp architecture a GGUF of this family is written as (None: not supported by our GGUF writer).
-    gguf_arch: ClassVar[str | None] = None
-    # The one whose graph builds every layer from its own head counts (llama.cpp's ``deci``), or why there is none.
-    gguf_per_layer_arch: ClassVar[str | None] = None
-    gguf_no_per_layer: ClassVar[str] = "llama.cpp has no architecture that builds this family with per-layer heads"
-    # llama.cpp's rope for the architecture rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM) where transformers rotates
-    # halves: each head's q/k rows are interleaved on the way out.
-    gguf_rope_pairs: ClassVar[bool] = False
-    gguf_unsupported: ClassVar[str] = "no llama.cpp mapping written for it"
-
-    def gguf_architecture(self, per_layer: bool) -> str:
-        """The llama.cpp architecture to write, or a UserError naming what to do instead."""
-        if self.gguf_arch is None:
-            raise UserError(f"--format gguf supports llama, mistral, smollm2, qwen2, qwen3, gemma2 and gemma3 "
-                            f"checkpoints, not {self.name} ({self.gguf_unsupported}); use --format safetensors")
-        if per_layer and self.gguf_per_layer_arch is None:
-            raise UserError(f"this export has per-layer head counts, but {self.gguf_no_per_layer}; pass --layout "
-                            "uniform (the same heads in every layer) for a GGUF")
-        return self.gguf_per_layer_arch if per_layer else self.gguf_arch
-
-    # Norm weights as llama.cpp multiplies them: Gemma's RMSNorm scales by (1 + w), llama.cpp's by w.
-    gguf_norm_offset: ClassVar[float] = 0.0
-    gguf_layer_names: ClassVar[dict[str, str]] = {}  # this family's names beyond GGUF_LAYER_NAMES
-
-    def gguf_tensor_name(self, name: str) -> str | None:
-        """The GGUF name of a transformers state-dict key (None: not written)."""
-        if name in GGUF_GLOBAL_NAMES:
-            return GGUF_GLOBAL_NAMES[name]
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-        names = {**GGUF_LAYER_NAMES, **self.gguf_layer_names}
-        if m and m.group(2) in names:
-            return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
-        return None
-
-    def gguf_metadata(self, writer, config) -> None:
-        """Keys this family's llama.cpp graph reads beyond the common ones (none by default)."""
-
-    def gguf_rope_parameters(self, config) -> dict:
-        """The RoPE parameters of the (global-attention) layers."""
-        return dict(getattr(config, "rope_parameters", None) or {})
-
-
-GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}
-GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-                    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                    "mlp.down_proj": "ffn_down"}
-
 
 class SkippedAttention(nn.Module):
     """A layer whose heads were all removed: attention adds nothing to the residual stream (no parameters).
@@ -242,7 +190,6 @@ def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head
 class LlamaAdapter(ArchAdapter):
     name = "llama"
     model_types = ("llama",)
-    gguf_arch, gguf_per_layer_arch, gguf_rope_pairs = "llama", "deci", True
 
     def export_config(self, config, shapes):
         """LlamaConfig refuses ``hidden_size % num_attention_heads != 0`` even with an explicit head_dim. Mistral's
@@ -266,31 +213,23 @@ class LlamaAdapter(ArchAdapter):
 class MistralAdapter(ArchAdapter):
     name = "mistral"
     model_types = ("mistral",)
-    gguf_arch, gguf_per_layer_arch, gguf_rope_pairs = "llama", "deci", True  # llama.cpp runs Mistral as llama
 
 
 class Qwen2Adapter(ArchAdapter):
     name = "qwen2"
     model_types = ("qwen2",)
-    # llama.cpp's qwen2 graph wants q as wide as the hidden size (no pruned heads); its llama and deci graphs load
-    # optional q/k/v biases and compute the same thing once q/k rows (and biases) are put in rotation-pair order.
-    gguf_arch, gguf_per_layer_arch, gguf_rope_pairs = "llama", "deci", True
 
 
 class Qwen3Adapter(ArchAdapter):
     name = "qwen3"
     model_types = ("qwen3",)
     qk_norm = "per_head"
-    gguf_arch = "qwen3"
-    gguf_no_per_layer = ("llama.cpp's qwen3 graph takes one head count for every layer and its per-layer graph (deci) "
-                         "has no q/k norms")
 
 
 class Olmo2Adapter(ArchAdapter):
     name = "olmo2"
     model_types = ("olmo2",)
     qk_norm = "across_heads"
-    gguf_unsupported = "llama.cpp's olmo2 graph wants q and its norm as wide as the hidden size: no head can go"
 
     def across_head_norms(self, attn):
         return {"q": attn.q_norm, "k": attn.k_norm}
@@ -308,55 +247,18 @@ class Gemma2Adapter(ArchAdapter):
     name = "gemma2"
     model_types = ("gemma2",)
     add_bos_for_eval = True
-    gguf_arch = "gemma2"
-    gguf_no_per_layer = "llama.cpp's gemma2 graph takes one head count for every layer (deci has no post-norms)"
-    gguf_norm_offset = 1.0
-    gguf_layer_names = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                        "post_feedforward_layernorm": "post_ffw_norm"}
-
-    gguf_layers_scaled_by_heads: ClassVar[int] = 46  # Gemma-2 27B: llama.cpp scales queries by hidden / heads
-
-    def gguf_metadata(self, writer, config) -> None:
-        """Which layers slide and over how many tokens, both softcaps. llama.cpp scales queries by 1/sqrt(head_dim)
-        (the 27B by the unpruned hidden / heads, which pruning changes), so other scalars are refused."""
-        if (config.num_hidden_layers == self.gguf_layers_scaled_by_heads
-                or int(config.query_pre_attn_scalar) != self.head_dim(config)):
-            raise UserError(f"llama.cpp scales {self.name} queries by 1/sqrt(head_dim) (or, for the 27B, by the head "
-                            f"count, which pruning changes); this model uses query_pre_attn_scalar "
-                            f"{config.query_pre_attn_scalar}; use --format safetensors")
-        if config.sliding_window:
-            writer.add_sliding_window(int(config.sliding_window))
-            writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-        for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
-                         ("final_logit_softcapping", writer.add_final_logit_softcapping)):
-            if getattr(config, key, None):
-                add(float(getattr(config, key)))
 
 
 class Gemma3TextAdapter(Gemma2Adapter):
     name = "gemma3_text"
     model_types = ("gemma3_text",)
     qk_norm = "per_head"
-    gguf_arch = "gemma3"
-    gguf_no_per_layer = "llama.cpp's gemma3 graph takes one head count for every layer (deci has no q/k norms)"
-    gguf_layers_scaled_by_heads = 62
-
-    def gguf_rope_parameters(self, config) -> dict:
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        return dict(rope.get("full_attention", rope))
-
-    def gguf_metadata(self, writer, config) -> None:
-        super().gguf_metadata(writer, config)
-        local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention")
-        if local:
-            writer.add_rope_freq_base_swa(float(local["rope_theta"]))
 
 
 class Phi3Adapter(ArchAdapter):
     name = "phi3"
     model_types = ("phi3",)
     fused_qkv = True
-    gguf_unsupported = "llama.cpp's phi3 graph wants q as wide as the hidden size: no head can go"
     lora_targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     projections = {"qkv_proj": "qkv", "o_proj": "o"}
 

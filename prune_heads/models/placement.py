@@ -11,8 +11,8 @@ import re
 import torch
 from torch import nn
 
+from prune_heads import memory
 from prune_heads.errors import UserError
-from prune_heads_cli.memory import trim_heap
 
 
 def live_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
@@ -51,7 +51,7 @@ def device_map_option(value: str | None):
     mapping = read_json(value, "device map")
     if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
                                                 for k, v in mapping.items()):
-        raise UserError(f"--device-map {value} must map module names to devices (\"cuda:0\", 0, \"cpu\", "
+        raise UserError(f"`device_map` {value} must map module names to devices (\"cuda:0\", 0, \"cpu\", "
                         "\"disk\")")
     return mapping
 
@@ -64,7 +64,7 @@ def max_memory_option(value: str | None) -> dict | None:
     for part in value.split(","):
         device, _, size = part.strip().partition("=")
         if not device or not re.fullmatch(r"\d+(\.\d+)?\s*[KMGT]i?B", size.strip(), re.IGNORECASE):
-            raise UserError(f"--max-memory {value!r} is not a list of DEVICE=SIZE; write e.g. 0=20GiB,cpu=60GiB")
+            raise UserError(f"`max_memory` {value!r} is not a list of DEVICE=SIZE; write e.g. 0=20GiB,cpu=60GiB")
         out[int(device) if device.isdigit() else device] = size.strip()
     return out
 
@@ -72,4 +72,4 @@ def max_memory_option(value: str | None) -> dict | None:
 def release_weights(model: nn.Module) -> None:
     """Free ``model``'s weights (they move to ``meta``) and hand the memory back to the system."""
     model.to("meta")
-    trim_heap()
+    memory.policy().between_stages()

@@ -14,7 +14,7 @@ from prune_heads.data.calibration import load_calibration
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from prune_heads.errors import UserError
-from prune_heads.eval.passes import EncodedTask, encode
+from prune_heads.eval.encoding import EncodedTask, encode
 from prune_heads.models.loading import LoadedModel, ModelSource, load_config, resolve_source
 from prune_heads.pipeline.settings import Settings
 
@@ -80,10 +80,10 @@ def confirmation_questions(settings: Settings, questions: TaskData,
                            full: TaskData) -> tuple[TaskData, TaskData | None, str]:
     """(search questions, confirmation questions or None, where they come from or why there are none)."""
     if not settings.confirm:
-        return questions, None, "not confirmed: --no-confirm"
+        return questions, None, "not confirmed: `no_confirm`"
     if settings.metric == "kl-text" or settings.heal_in_search:
         return questions, None, ("not confirmed: the budget is measured on held-out text" if settings.metric ==
-                                 "kl-text" else "not confirmed: --heal-in-search judges healed models")
+                                 "kl-text" else "not confirmed: `heal_in_search` judges healed models")
     unused = full.unused(questions)
     if unused.questions:
         return questions, unused, f"{len(unused.questions)} further questions of the same subjects, never searched"
@@ -91,8 +91,8 @@ def confirmation_questions(settings: Settings, questions: TaskData,
         search, held = questions.split(settings.confirm_fraction)
         if held.questions and search.questions:
             return search, held, (f"the last {100 * settings.confirm_fraction:g}% of each subject's questions, held "
-                                  "out of the search (--confirm-fraction)")
-    return questions, None, ("not confirmed: the search uses every question; pass --confirm-fraction F to hold "
+                                  "out of the search (`confirm_fraction`)")
+    return questions, None, ("not confirmed: the search uses every question; pass `confirm_fraction` F to hold "
                              "some out")
 
 
@@ -176,11 +176,11 @@ def kl_text_sequences(
         source = f"lines after the first {settings.calibration_size} of {settings.calibration}"
         if not texts:
             raise UserError(
-                f"--metric kl-text needs held-out text, but {settings.calibration} has no lines after the "
-                f"{settings.calibration_size} used for scoring; pass --kl-text FILE"
+                f"`metric` kl-text needs held-out text, but {settings.calibration} has no lines after the "
+                f"{settings.calibration_size} used for scoring; pass `kl_text` FILE"
             )
     else:
-        texts, source = held_out_texts(settings, inputs, n, "--metric kl-text", "--kl-text")
+        texts, source = held_out_texts(settings, inputs, n, "`metric` kl-text", "`kl_text`")
         source += " (not evaluated, not scored)"
     return encoded_texts(lm, texts, KL_TEXT_MAX_TOKENS, source), source
 
@@ -195,7 +195,7 @@ def heal_sequences(
     elif inputs.calibration is not None:
         texts, source = inputs.calibration + inputs.calibration_rest, f"calibration file {settings.calibration}"
     else:
-        texts, source = held_out_texts(settings, inputs, min(1024, steps * batch_size), "healing", "--heal-data")
+        texts, source = held_out_texts(settings, inputs, min(1024, steps * batch_size), "healing", "`heal_data`")
         source += " (never the verified ones)"
     return encoded_texts(lm, texts, max_length, source), source
 

@@ -21,7 +21,8 @@ from prune_heads.models.loading import (
 )
 from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.pipeline.recipes import Recipe, load_recipe, recipe_for
-from prune_heads.search.prefixes import DEFAULT_GRID, METRIC_TASKS, Budget
+from prune_heads.search.budget import METRIC_TASKS, Budget
+from prune_heads.search.prefixes import DEFAULT_GRID
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,8 @@ def _task(values: dict, flags: dict) -> str:
     task = values.get("task")
     if explicit in METRIC_TASKS:
         if flags.get("task") and flags["task"] != METRIC_TASKS[explicit]:
-            raise UserError(f"--metric {explicit} is the accuracy on the {METRIC_TASKS[explicit]} task, but --task is "
-                            f"{flags['task']}; use --metric accuracy (or kl) with --task {flags['task']}")
+            raise UserError(f"`metric` {explicit} is the accuracy on the {METRIC_TASKS[explicit]} task, but `task` is "
+                            f"{flags['task']}; use `metric` accuracy (or kl) with `task` {flags['task']}")
         task = METRIC_TASKS[explicit]
     elif values.get("metric") in METRIC_TASKS and not flags.get("task"):
         task = METRIC_TASKS[values["metric"]]
@@ -146,7 +147,7 @@ def check_shard_size(text) -> str:
     """--max-shard-size as save_pretrained takes it (a positive size such as 500MB or 5GB)."""
     m = SIZE.match(str(text))
     if not m or float(m.group(1)) <= 0:
-        raise UserError(f"--max-shard-size {text!r} is not a positive size; write it like 500MB, 2GB or 1GiB")
+        raise UserError(f"`max_shard_size` {text!r} is not a positive size; write it like 500MB, 2GB or 1GiB")
     return str(text).strip()
 
 
@@ -155,51 +156,38 @@ def _refuse_conflicts(values: dict) -> None:
     v = values.get
     conflicts = [
         (v("heal_in_search") and v("budget_metric") == "kl-text",
-         "--heal-in-search judges points by the healed model's answers; use --metric accuracy or kl with it"),
+         "`heal_in_search` judges points by the healed model's answers; use `metric` accuracy or kl with it"),
         (v("heal_in_search") and not v("heal_steps"),
-         "--heal-in-search judges each point after healing; give the number of steps with --heal-steps N"),
+         "`heal_in_search` judges each point after healing; give the number of steps with `heal_steps` N"),
         (v("heal_steps") and v("lora_adapter"),
-         "--heal-steps and --adapter do not combine: healing would change the base the adapter was trained on; heal "
-         "without --adapter, or slice the adapter without healing"),
+         "`heal_steps` and `adapter` do not combine: healing would change the base the adapter was trained on; heal "
+         "without `adapter`, or slice the adapter without healing"),
         (v("heal_steps") and v("layout") == "masked",
-         "--heal-steps needs a physical layout (--layout auto, uniform or per-layer): a masked export keeps the "
+         "`heal_steps` needs a physical layout (`layout` auto, uniform or per-layer): a masked export keeps the "
          "removed heads' weights, which healing would train"),
-        (v("heal_steps") and v("export") is False, "--heal-steps heals the exported model; drop --no-export"),
+        (v("heal_steps") and v("export") is False, "`heal_steps` heals the exported model; drop `no_export`"),
         (v("gqa") == "balanced" and v("units") == "gqa",
-         "--gqa balanced re-balances a per-head selection; --units gqa already removes whole slices and groups: "
-         "drop --gqa, or pass --units heads"),
+         "`gqa` balanced re-balances a per-head selection; `units` gqa already removes whole slices and groups: "
+         "drop `gqa`, or pass `units` heads"),
         (v("objective") == "kv-cache" and v("units") == "heads",
-         "--objective kv-cache needs whole KV groups to go; use --units gqa (the default)"),
+         "`objective` kv-cache needs whole KV groups to go; use `units` gqa (the default)"),
         (v("size_questions") and v("task") not in MMLU_TASKS,
-         f"--mmlu-per-subject auto sizes MMLU question sets; --task {v('task')} takes --task-limit N"),
+         f"`mmlu_per_subject` auto sizes MMLU question sets; `task` {v('task')} takes `task_limit` N"),
         (v("size_questions") and v("budget_metric") == "kl-text",
-         "--mmlu-per-subject auto sizes the questions, but a kl-text budget is measured on held-out text; use "
-         "--kl-text-size N there"),
+         "`mmlu_per_subject` auto sizes the questions, but a kl-text budget is measured on held-out text; use "
+         "more held-out texts there (kl_text_size: N in a `recipe` file)"),
         (v("size_questions") and v("heal_in_search"),
-         "--mmlu-per-subject auto predicts from an ablation, but --heal-in-search judges healed models; give a number"),
+         "`mmlu_per_subject` auto predicts from an ablation, but `heal_in_search` judges healed models; give a number"),
         (v("max_memory") and not v("device_map"),
-         "--max-memory sizes the devices of --device-map; add --device-map auto (or balanced, sequential, FILE.json)"),
+         "`max_memory` sizes the devices of `device_map`; add `device_map` auto (or balanced, sequential, FILE.json)"),
         (v("lora_adapter") and v("export") is False,
-         "--adapter slices the adapter to fit the export; drop --no-export"),
+         "`adapter` slices the adapter to fit the export; drop `no_export`"),
+        (v("lora_adapter") and v("export_format") not in (None, "safetensors"),
+         "`adapter` slices a LoRA adapter for the safetensors export; use `export_format` safetensors with it"),
     ]
     for conflict, message in conflicts:
         if conflict:
             raise UserError(message)
-
-
-def _gguf_layout(values: dict, config) -> str:
-    """With a GGUF, check the family has a llama.cpp architecture (before anything loads); layout auto becomes
-    uniform where llama.cpp cannot build the family with per-layer heads."""
-    from prune_heads.models.adapters import adapter_for
-
-    layout = values.get("layout", "auto")
-    if values.get("export_format", "safetensors") == "safetensors":
-        return layout
-    if values.get("lora_adapter"):
-        raise UserError("--adapter slices a LoRA adapter for the safetensors export; use --format safetensors with it")
-    arch = adapter_for(config.model_type)
-    arch.gguf_architecture(per_layer=layout == "per-layer")  # a UserError naming the alternative
-    return "uniform" if layout == "auto" and arch.gguf_per_layer_arch is None else layout
 
 
 def resolve_settings(model: str, recipe: str | None = None, overrides: dict | None = None, *,
@@ -219,13 +207,12 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     values["task"] = _task(values, flags)
     budget = _budget(values, flags)
     if values.get("decision", "point") not in ("point", "confident"):
-        raise UserError(f"--decision {values['decision']!r} is not one of point, confident")
+        raise UserError(f"`decision` {values['decision']!r} is not one of point, confident")
     budget = dataclasses.replace(budget, rule=values.get("decision", "point"))
     _refuse_conflicts({**values, "budget_metric": budget.metric})
     if not 0 <= float(values.get("confirm_fraction") or 0) < 1:
-        raise UserError(f"--confirm-fraction {values['confirm_fraction']!r} must lie in [0, 1); 0.3 holds out 30% "
+        raise UserError(f"`confirm_fraction` {values['confirm_fraction']!r} must lie in [0, 1); 0.3 holds out 30% "
                         "of each subject's questions")
-    values["layout"] = _gguf_layout(values, config)
     device_map_option(values.get("device_map"))  # a bad placement fails here, before anything loads
     max_memory_option(values.get("max_memory"))
     if "max_shard_size" in values:

@@ -1,12 +1,15 @@
-"""The stages every command is built from, each a function of a few lines you can read in order:
+"""The stages every command is built from, each a function of a few lines that takes and returns typed results:
 
-    open_run      settings + inputs -> Run (loaded model, cached work, encoded task, planner)
-    score         Run -> ScoreTable                 (scoring.py, cached)
-    verifier_for  Run -> Verifier                   (verifier.py: evaluates a head set as it would ship)
-    select_heads  Run, scores, verifier -> Selection (selection.py: the budget search)
-    prune_report  Run, scores, selection -> report.json content (report.py)
+    open_run         Settings + Inputs -> Run (loaded model, cached work, encoded task, planner)
+    sized_to_budget  Run -> (Run, Resolution): --mmlu-per-subject auto re-sizes the run from a pilot ablation
+    score            Run -> Scored (ScoreTable + where the calibration came from; scoring/, cached)
+    verifier_for     Run -> Verifier (search/verifier.py: the baseline, and each head set evaluated as it would ship)
+    resolution_of    Run, Scored, Verifier -> Resolution (what the question count resolves at the budget's edge)
+    select           Run, Scored, Verifier -> Selection (search/selection.py: the budget search)
+    confirmed        Run, Verifier, Selection -> (Selection, confirmation record) on unseen questions
 
-Commands (``prune_heads_cli``) chain these, then hand the chosen heads to an exporter (``exporters``).
+Commands (``prune_heads_cli/commands.py``) chain these, hand the chosen heads to an exporter (``exporters``) and
+assemble the report from the results (report/report.py).
 """
 from __future__ import annotations
 
@@ -15,16 +18,17 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
 import torch
 
-from prune_heads.eval.passes import EncodedTask, EvalResult, encode_task
+from prune_heads.console import say, warn
+from prune_heads.eval.encoding import EncodedTask, encode_task
+from prune_heads.eval.results import EvalResult, chance_warning
 from prune_heads.eval.work import Work
 from prune_heads.heads import ScoreTable
 from prune_heads.io.cache import tokens_digest
 from prune_heads.io.files import StagedDirectory, sha256_file
 from prune_heads.io.parallel import LOCAL, Ranks
-from prune_heads.models.loading import LoadedModel, load_model, resolve_device, resolve_dtype
+from prune_heads.models.loading import LoadedModel, LoadOptions, load_model, resolve_device, resolve_dtype
 from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.pipeline.inputs import (
     Inputs,
@@ -35,21 +39,28 @@ from prune_heads.pipeline.inputs import (
     with_questions_per_subject,
 )
 from prune_heads.pipeline.settings import Settings
+from prune_heads.plan.healing import HealConfig, Healer
 from prune_heads.plan.planner import Planner, planner_for
-from prune_heads.report.report import chance_warning
+from prune_heads.search.confirmation import ConfirmationQuestions, confirm
+from prune_heads.search.prefixes import SearchOptions
 from prune_heads.search.resolution import Resolution, per_subject_for
-from prune_heads.search.verifier import Verifier
-
-
-def echo(msg: str, err: bool = True, **style) -> None:
-    click.secho(msg, err=err, **style)
+from prune_heads.search.selection import Selection, SelectionOptions, predict_resolution, select_heads
+from prune_heads.search.verifier import HeldOutText, Verifier, VerifierSetup
 
 
 def warn_chance(result: EvalResult, metric: str = "accuracy", task: str = "mmlu") -> str | None:
     w = chance_warning(result, metric, task)
     if w:
-        echo("WARNING: " + w, fg="red", bold=True)
+        warn(w)
     return w
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Every score function on every head, and where the calibration sequences came from."""
+
+    table: ScoreTable
+    calibration: str
 
 
 @dataclass
@@ -76,11 +87,11 @@ def load(settings: Settings, inputs: Inputs, offload_dir: Path | None = None, ra
     dtype = settings.dtype
     if ranks.size > 1:  # --dtype auto measures this machine: one measurement (rank 0's) decides for every rank
         dtype = ranks.broadcast(resolve_dtype(dtype, torch.device(kind), inputs.config) if ranks.root else None)
-    return load_model(settings.model, dtype, ranks.device(settings.device, kind), settings.trust_remote_code,
-                      settings.revision, settings.allow_pickle, source=inputs.source, config=inputs.config,
-                      device_map=device_map_option(settings.device_map),
-                      max_memory=max_memory_option(settings.max_memory),
-                      offload_dir=str(offload_dir) if offload_dir else None)
+    options = LoadOptions(settings.trust_remote_code, settings.revision, settings.allow_pickle,
+                          device_map_option(settings.device_map), max_memory_option(settings.max_memory),
+                          str(offload_dir) if offload_dir else None)
+    return load_model(settings.model, dtype, ranks.device(settings.device, kind), options, inputs.source,
+                      inputs.config)
 
 
 def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory | None, encode: bool = True,
@@ -106,10 +117,10 @@ def describe(run: Run) -> str:
             f"{len(run.enc)} {s.task} questions in {len(run.enc.subjects)} subjects")
 
 
-def score(run: Run) -> tuple[ScoreTable, str]:
-    """Every score function on every head over the calibration sequences: (scores, where the sequences came from)."""
+def score(run: Run) -> Scored:
+    """Every score function on every head over the calibration sequences."""
     seqs, source = calibration_sequences(run.lm, run.settings, run.inputs, run.enc)
-    return run.work.scores(seqs), source
+    return Scored(run.work.scores(seqs), source)
 
 
 def sized(run: Run, resolution: Resolution) -> tuple[Run, Resolution]:
@@ -123,7 +134,7 @@ def sized(run: Run, resolution: Resolution) -> tuple[Run, Resolution]:
     inputs = with_questions_per_subject(settings, run.inputs)
     enc = encode_task(run.lm, inputs.questions)
     sized_resolution = dataclasses.replace(resolution, questions=len(enc))
-    echo(f"--mmlu-per-subject auto: {per_subject} per subject, {len(enc)} questions in {len(enc.subjects)} subjects "
+    say(f"`mmlu_per_subject` auto: {per_subject} per subject, {len(enc)} questions in {len(enc.subjects)} subjects "
          f"(predicted +/-{sized_resolution.half_width():.3g} at the budget's edge"
          + (", capped by the questions that exist" if capped else "") + ")", fg="yellow" if capped else None)
     return dataclasses.replace(run, settings=settings, inputs=inputs, enc=enc), sized_resolution
@@ -138,26 +149,57 @@ def say_resolution(run: Run, resolution: Resolution | None) -> str | None:
     """Print what the question count resolves next to the budget; a red warning (returned) when it cannot."""
     if resolution is None:
         return None
-    echo("resolution: " + resolution.describe(full_task_size(run), run.settings.task))
+    say("resolution: " + resolution.describe(full_task_size(run), run.settings.task))
     if resolution.resolves:
         return None
     unit = "nat" if resolution.budget.in_nats else "pt"
-    fix = ("--kl-text-size N" if run.settings.metric == "kl-text"
-           else f"--mmlu-per-subject auto (about {resolution.questions_for(resolution.budget.points):,} questions)")
-    warning = (f"the budget ({resolution.budget.points:g} {unit}) is smaller than the +/-{resolution.half_width():.3g} "
+    fix = ("more held-out texts (kl_text_size: N in a `recipe` file)" if run.settings.metric == "kl-text"
+           else f"`mmlu_per_subject` auto (about {resolution.questions_for(resolution.budget.limit):,} questions)")
+    warning = (f"the budget ({resolution.budget.limit:g} {unit}) is smaller than the +/-{resolution.half_width():.3g} "
                f"{unit} that {resolution.questions} questions resolve: points within budget cannot be told from points "
                f"beyond it; use {fix}")
-    echo("WARNING: " + warning, fg="red", bold=True)
+    warn(warning)
     return warning
 
 
 def verifier_for(run: Run) -> Verifier:
-    """The verifier of the main job; its construction evaluates the unablated baseline (cached)."""
+    """The verifier of the main job, with its unablated baseline (cached)."""
     s = run.settings
     kl_seqs, kl_source = kl_text_sequences(run.lm, s, run.inputs)
-    heal, heal_key = healer(run)
-    return Verifier(run.work, run.planner, run.enc, s.budget, s.layout, kl_seqs,
-                    kl_source, s.early_stop_blocks, heal, heal_key, s.heal_in_search, log=echo)
+    setup = VerifierSetup(s.budget, s.layout, s.early_stop_blocks,
+                          HeldOutText(kl_seqs, kl_source) if kl_seqs is not None else None, healer(run),
+                          s.heal_in_search)
+    return Verifier.measured(run.work, run.planner, run.enc, setup)
+
+
+def selection_options(s: Settings) -> SelectionOptions:
+    search = SearchOptions(s.grid, s.patience, s.refine_steps, s.parallel, s.objective)
+    return SelectionOptions(s.scorer, s.units, s.gqa, search)
+
+
+def sized_to_budget(run: Run) -> tuple[Run, Resolution | None]:
+    """--mmlu-per-subject auto: a pilot ablation (the search's first point, on the run as opened) predicts the
+    resolution, and the run is re-sized to it (its scores and baseline come back from the cache when its prompts are
+    the same). Otherwise the run as it is, and no resolution yet."""
+    if not run.settings.size_questions:
+        return run, None
+    resolution = resolution_of(run, score(run), verifier_for(run))
+    return sized(run, resolution) if resolution else (run, None)
+
+
+def resolution_of(run: Run, scored: Scored, verifier: Verifier) -> Resolution | None:
+    """What the run's question count resolves at the budget's edge, from a pilot ablation (cached: the search
+    reuses it)."""
+    return predict_resolution(scored.table, verifier, selection_options(run.settings))
+
+
+def select(run: Run, scored: Scored, verifier: Verifier) -> Selection:
+    return select_heads(scored.table, verifier, selection_options(run.settings))
+
+
+def confirmed(run: Run, verifier: Verifier, selection: Selection) -> tuple[Selection, dict]:
+    questions = ConfirmationQuestions(run.inputs.confirmation, run.inputs.confirmation_source)
+    return confirm(verifier, questions, selection, run.settings.objective)
 
 
 def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
@@ -168,30 +210,20 @@ def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
 
     weights = Path(adapter_dir) / "adapter_model.safetensors"
     if not weights.is_file():
-        raise UserError(f"--adapter {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
+        raise UserError(f"`adapter` {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
     merged = PeftModel.from_pretrained(copy.deepcopy(lm.model), adapter_dir).merge_and_unload().eval()
     source = copy.copy(lm.source)
     source.fingerprint = f"{lm.source.fingerprint}+adapter:{sha256_file(weights)}"  # keys the cache apart
-    echo(f"adapter {adapter_dir} merged for scoring and verification")
+    say(f"adapter {adapter_dir} merged for scoring and verification")
     return LoadedModel(merged, lm.tokenizer, lm.arch, source, lm.dtype, lm.device, {"adapter": str(adapter_dir)})
 
 
-def healer(run: Run):
-    """``(heal(pruned_model, plan) -> (healed, record), cache key)`` for --heal-steps, else ``(None, None)``."""
+def healer(run: Run) -> Healer | None:
+    """Healing as --heal-steps and the recipe set it up (None without --heal-steps)."""
     s = run.settings
     if not s.heal_steps:
-        return None, None
-    from prune_heads.plan.healing import HealConfig, dead_head_slots, heal
-
+        return None
     known = {k: v for k, v in s.heal.items() if k in HealConfig.__dataclass_fields__ and k not in ("steps", "seed")}
     config = HealConfig(steps=s.heal_steps, seed=s.seed, **known)
     seqs, source = heal_sequences(run.base, s, run.inputs, config.steps, config.batch_size, config.max_length)
-    arch = run.base.arch
-
-    def heal_pruned(model, plan):
-        healed, record = heal(model, seqs, config, s.progress, log=echo, lora_targets=arch.lora_targets,
-                              dead_heads=dead_head_slots(model, arch, plan))
-        record["data"] = source
-        return healed, record
-
-    return heal_pruned, {"config": config.to_json(), "data": source, "digest": tokens_digest(seqs)}
+    return Healer(config, seqs, source, run.base.arch, tokens_digest(seqs), s.progress)

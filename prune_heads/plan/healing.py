@@ -7,12 +7,14 @@ and there is no dropout.
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
+from prune_heads.console import say
 from prune_heads.errors import UserError
+from prune_heads.models.adapters import ArchAdapter
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,6 @@ def heal(
     sequences: list[list[int]],
     config: HealConfig,
     progress: bool = True,
-    log=print,
     dead_heads: dict[str, tuple[int, list[int]]] | None = None,
     lora_targets: tuple[str, ...] | None = None,
 ) -> tuple[torch.nn.Module, dict]:
@@ -138,10 +139,10 @@ def heal(
     which the merged o_proj update would otherwise bring back to life, are zeroed after merging, so the merged model
     computes exactly what was trained and the removed heads stay removed."""
     if config.steps <= 0:
-        raise UserError("--heal-steps must be a positive number of training steps")
+        raise UserError("`heal_steps` must be a positive number of training steps")
     sequences = [s[: config.max_length] for s in sequences if len(s) >= 2]
     if not sequences:
-        raise UserError("the healing text has no input of at least 2 tokens; pass --heal-data FILE")
+        raise UserError("the healing text has no input of at least 2 tokens; pass `heal_data` FILE")
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     targets = sorted(names & set(lora_targets) if lora_targets is not None else names - {"lm_head"})
     # Low-precision training on CPU loses small updates: train in float32, then give every parameter and buffer its
@@ -174,8 +175,31 @@ def heal(
         "loss_last": round(sum(losses[-k:]) / k, 6),
         "merge_max_abs_logit_diff": merge_diff,
     }
-    log(
+    say(
         f"healed with LoRA (rank {config.rank}, {len(targets)} module types) for {config.steps} steps: loss "
         f"{record['loss_first']:.4f} -> {record['loss_last']:.4f} (mean of first and last {k} steps)"
     )
     return merged, record
+
+
+@dataclass(frozen=True)
+class Healer:
+    """Healing as a run sets it up: the config, the token ids it trains on (and where they came from), the family's
+    LoRA targets. ``heal(pruned, plan)`` heals a physically pruned model, keeping the plan's silent slots silent."""
+
+    config: HealConfig
+    sequences: list[list[int]] = field(repr=False)
+    source: str
+    arch: ArchAdapter  # the family: which linear layers LoRA trains, where the silent slots' o_proj is
+    digest: str  # of the token ids: with the config and the source, it keys cached healed evaluations
+    progress: bool = True
+
+    @property
+    def key(self) -> dict:
+        return {"config": self.config.to_json(), "data": self.source, "digest": self.digest}
+
+    def heal(self, model: torch.nn.Module, plan) -> tuple[torch.nn.Module, dict]:
+        healed, record = heal(model, self.sequences, self.config, self.progress,
+                              dead_heads=dead_head_slots(model, self.arch, plan), lora_targets=self.arch.lora_targets)
+        record["data"] = self.source
+        return healed, record

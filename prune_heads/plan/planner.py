@@ -229,6 +229,8 @@ class LayoutChoice:
 
 
 def costs(plan: PrunePlan, hidden_size: int, bytes_per_value: int) -> dict:
+    """What a plan keeps: query heads (the heads left computing, for a masked plan), KV heads, attention parameters,
+    KV cache per token, the per-layer shapes."""
     masked = plan.kind == "masked"
     return {
         "query_heads": sum(len(lp.kept_heads) for lp in plan.layers) if masked else sum(n for n, _ in plan.shapes),
@@ -237,6 +239,12 @@ def costs(plan: PrunePlan, hidden_size: int, bytes_per_value: int) -> dict:
         "kv_cache_bytes_per_token": plan.kv_cache_bytes_per_token(bytes_per_value),
         "shapes": sorted(set(plan.shapes)),
     }
+
+
+def shapes_summary(shapes: Sequence[tuple[int, int]], head_dim: int, bytes_per_value: int) -> dict:
+    """Query slots, KV heads and KV cache per token of a model with these per-layer (query, KV) head counts."""
+    return {"query_heads": sum(h for h, _ in shapes), "kv_heads": sum(k for _, k in shapes),
+            "kv_cache_bytes_per_token": sum(2 * k for _, k in shapes) * head_dim * bytes_per_value}
 
 
 class Planner:
@@ -258,9 +266,29 @@ class Planner:
     def costs(self, plan: PrunePlan) -> dict:
         return costs(plan, self.config.hidden_size, self.bytes_per_value)
 
+    def savings(self, heads: HeadSet, layout: str) -> dict:
+        """What the model that ships for ``heads`` under ``layout`` saves against the original, and the deployment
+        efficiency: attention parameters removed from the export / q, k, v, o parameters of the heads zeroed."""
+        hidden = self.config.hidden_size
+        choice = self.choose(heads, layout)
+        original = plan_masked(HeadSet(), self.geometries)
+        before, after = self.costs(original), self.costs(choice.plan)
+        flops_before = attention_flops_per_token(original, hidden)
+        flops_after = flops_before if choice.layout == "masked" else attention_flops_per_token(choice.plan, hidden)
+        zeroed = zeroed_params(heads, self.geometries, hidden)
+        removed = before["attention_params"] - after["attention_params"]
+        return {"layout": choice.layout, "query_slots": after["query_heads"] if choice.layout != "masked"
+                else before["query_heads"], "kv_heads": after["kv_heads"],
+                "attention_params": after["attention_params"], "attention_params_removed": removed,
+                "kv_cache_bytes_per_token": after["kv_cache_bytes_per_token"],
+                "kv_cache_removed": before["kv_cache_bytes_per_token"] - after["kv_cache_bytes_per_token"],
+                "attention_flops_per_token": flops_after, "attention_flops_removed": flops_before - flops_after,
+                "flops_context": FLOPS_CONTEXT, "zeroed_params": zeroed,
+                "deployment_efficiency": round(removed / zeroed, 6) if zeroed else 1.0}
+
     def choose(self, heads: HeadSet, layout: str) -> LayoutChoice:
         if layout not in LAYOUTS:
-            raise UserError(f"--layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+            raise UserError(f"`layout` {layout!r} is not one of {', '.join(LAYOUTS)}")
         key = (heads, layout)
         if key not in self._choices:
             self._choices[key] = self._choose(heads, layout)
@@ -285,14 +313,14 @@ class Planner:
                                 "masked layout requested: original shapes, no speed-up", options)
         if layout == "uniform":
             if uniform is None:
-                raise UserError("--layout uniform needs every layer to share one head geometry; use --layout per-layer")
+                raise UserError("`layout` uniform needs every layer to share one head geometry; use `layout` per-layer")
             return LayoutChoice("uniform", uniform, "uniform layout requested", options)
         per_layer_ok = exact.is_uniform or self.arch.export_config(self.config, exact.shapes) is not None
         if layout == "per-layer":
             if not per_layer_ok:
                 raise UserError(f"the {self.config.model_type} config class cannot carry per_layer_config (its "
-                                "validator reads head counts globally); use --layout uniform (exact, padded) or "
-                                "--layout masked")
+                                "validator reads head counts globally); use `layout` uniform (exact, padded) or "
+                                "`layout` masked")
             return LayoutChoice("per-layer", exact, "per-layer layout requested", options)
         return self._auto(heads, exact, uniform, options, per_layer_ok)
 
@@ -336,34 +364,13 @@ def zeroed_params(heads: HeadSet, geometries, hidden_size: int) -> int:
     return total
 
 
-def shipped(planner: Planner, heads: HeadSet, layout: str) -> dict:
-    """What the model that ships for ``heads`` under ``layout`` saves against the original, and the deployment
-    efficiency: attention parameters removed from the export / q, k, v, o parameters of the heads zeroed."""
-    hidden = planner.config.hidden_size
-    choice = planner.choose(heads, layout)
-    original = plan_masked(HeadSet(), planner.geometries)
-    before, after = planner.costs(original), planner.costs(choice.plan)
-    flops_before = attention_flops_per_token(original, hidden)
-    flops_after = flops_before if choice.layout == "masked" else attention_flops_per_token(choice.plan, hidden)
-    zeroed = zeroed_params(heads, planner.geometries, hidden)
-    removed = before["attention_params"] - after["attention_params"]
-    return {"layout": choice.layout, "query_slots": after["query_heads"] if choice.layout != "masked"
-            else before["query_heads"], "kv_heads": after["kv_heads"],
-            "attention_params": after["attention_params"], "attention_params_removed": removed,
-            "kv_cache_bytes_per_token": after["kv_cache_bytes_per_token"],
-            "kv_cache_removed": before["kv_cache_bytes_per_token"] - after["kv_cache_bytes_per_token"],
-            "attention_flops_per_token": flops_after, "attention_flops_removed": flops_before - flops_after,
-            "flops_context": FLOPS_CONTEXT, "zeroed_params": zeroed,
-            "deployment_efficiency": round(removed / zeroed, 6) if zeroed else 1.0}
-
-
 def objective_value(objective: str, point) -> float:
-    """The quantity ``--objective`` maximises, for a search point carrying its shipped savings."""
-    if objective == "heads" or point.shipped is None:
+    """The quantity the search's objective maximises, for a search point carrying its savings."""
+    if objective == "heads" or point.savings is None:
         return point.num_heads
     key = {"params": "attention_params_removed", "kv-cache": "kv_cache_removed",
            "flops": "attention_flops_removed"}[objective]
-    return point.shipped[key]
+    return point.savings[key]
 
 
 def planner_for(lm) -> Planner:

@@ -10,14 +10,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from prune_heads.heads import HeadSet, score_direction
-from prune_heads.io.files import atomic_write
+from prune_heads.io.files import atomic_path
 
 
 def _save(fig, path: Path) -> Path:
-    def write(tmp: str) -> None:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
-
-    atomic_write(path, write)
     plt.close(fig)
     return path
 
@@ -232,7 +230,7 @@ def shipped_curve(points: list[dict], budget, path: Path, title: str = "") -> Pa
         chosen = [(xi, yi) for xi, yi, p in zip(x, y, pts) if p.get("chosen")]
         if chosen:
             ax.plot(*zip(*chosen), "*", color="tab:red", markersize=14, label="chosen")
-        ax.axhline(budget.points, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget})")
+        ax.axhline(budget.limit, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget})")
         ax.set_xlabel(f"% of {label} removed in the export")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel({"kl": "answer KL (nats)", "kl-text": "next-token KL (nats)"}.get(budget.metric,

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from prune_heads import __version__
-from prune_heads.eval.passes import EvalResult, indistinguishable_from_chance, wilson_interval
+from prune_heads.eval.results import EvalResult, accuracy_summary
 from prune_heads.io.files import write_json, write_jsonl
 
 
@@ -21,43 +21,6 @@ def versions() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
     }
-
-
-def chance_level(result: EvalResult) -> float:
-    """Accuracy of guessing: the mean over questions of 1 / number of choices (0.25 on MMLU, 0.5 on PIQA)."""
-    return sum(1 / len(q.choices) for q in result.questions) / max(1, len(result.questions))
-
-
-def accuracy_summary(result: EvalResult) -> dict:
-    n = len(result.questions)
-    k = float(result.correct.sum())
-    lo, hi = wilson_interval(k, n)
-    return {
-        "accuracy": round(result.accuracy, 6),
-        "correct": int(k),
-        "n": n,
-        "ci95": [round(lo, 6), round(hi, 6)],
-        "chance": round(chance_level(result), 6),
-        "indistinguishable_from_chance": indistinguishable_from_chance(result, chance_level(result)),
-    }
-
-
-def chance_warning(result: EvalResult, metric: str = "accuracy", task: str = "mmlu") -> str | None:
-    chance = chance_level(result)
-    if not indistinguishable_from_chance(result, chance):
-        return None
-    s = accuracy_summary(result)
-    if metric in ("kl", "kl-text"):
-        consequence = (f"an accuracy budget on this model verifies nothing (the {metric} budget in use still measures "
-                       "how far ablation moves the model)")
-    else:
-        consequence = ("an accuracy budget on this model verifies nothing; consider --budget 0.05nat (--metric kl)"
-                       + (" or --metric mmlu-cloze" if task == "mmlu" else ""))
-    return (
-        f"the unablated model scores {100 * s['accuracy']:.1f}% on {s['n']} {task} questions (95% CI "
-        f"{100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f}%), which cannot be told apart from chance "
-        f"({100 * chance:.0f}%): " + consequence
-    )
 
 
 def write_eval_outputs(out: Path, result: EvalResult, extra: dict, task: str = "mmlu") -> None:
@@ -98,12 +61,13 @@ def architecture_summary(lm) -> dict:
             "head_dim": geos[0].head_dim}
 
 
-def task_summary(run, kl_sequences, kl_source) -> dict:
+def task_summary(run, held_out) -> dict:
+    """The task the run verified on, and the held-out texts of the next-token KL (``held_out``: HeldOutText)."""
     from prune_heads.data.tasks import task_format
 
     data, enc = run.inputs.questions, run.enc
-    kl_text = None if kl_sequences is None else {"source": kl_source, "texts": len(kl_sequences),
-                                                 "tokens": sum(len(x) for x in kl_sequences)}
+    kl_text = None if held_out is None else {"source": held_out.source, "texts": len(held_out.sequences),
+                                             "tokens": sum(len(x) for x in held_out.sequences)}
     return {"name": run.settings.task, "metric": task_format(run.settings.task).metric, "source": data.source,
             "questions": len(enc), "subjects": len(enc.subjects), "skipped_rows": data.skipped_rows,
             "exemplars": data.exemplar_source, "fast_path_questions": sum(it.fast for it in enc.items),
@@ -111,7 +75,7 @@ def task_summary(run, kl_sequences, kl_source) -> dict:
 
 
 def final_summary(selection, baseline: EvalResult, gqa: str) -> dict:
-    from prune_heads.eval.passes import agreement, answer_kl
+    from prune_heads.eval.results import agreement, answer_kl
 
     result, heads = selection.result, selection.heads
     kl_text = {"kl_text_nats": round(result.meta["kl_text"], 6)} if "kl_text" in result.meta else {}
@@ -119,11 +83,12 @@ def final_summary(selection, baseline: EvalResult, gqa: str) -> dict:
             "kl_answer_nats": round(float(answer_kl(result, baseline).mean()), 6), **kl_text,
             "agreement": round(agreement(result, baseline), 6), "num_heads_removed": len(heads),
             "fraction_removed": round(len(heads) / selection.total, 6), "gqa": gqa,
-            **({"shipped": selection.shipped} if selection.shipped else {})}
+            **({"shipped": selection.savings} if selection.savings else {})}
 
 
-def prune_report(run, scores, calibration: str, verifier, selection, gqa_options: dict, warnings: list[str]) -> dict:
-    """report.json of the main job (before the export adds its part): everything needed to audit the run."""
+def prune_report(run, scored, verifier, selection, gqa_options: dict, warnings: list[str]) -> dict:
+    """report.json of the main job (the command adds confirmation, resolution, export): everything needed to audit
+    the run. ``scored``: the pipeline's Scored (scores and their calibration source)."""
     s, budget = run.settings, run.settings.budget
     return {
         "model": run.lm.source.to_json(),
@@ -132,12 +97,12 @@ def prune_report(run, scores, calibration: str, verifier, selection, gqa_options
         "recipe": s.recipe.to_json(),
         "settings": s.to_json(),
         "versions": versions(),
-        "task": task_summary(run, verifier.kl_sequences, verifier.kl_source),
-        "budget": {"text": budget.text, "metric": budget.metric, "points": budget.points,
+        "task": task_summary(run, verifier.kl_text),
+        "budget": {"text": budget.text, "metric": budget.metric, "points": budget.limit,
                    "decision": budget.rule, "definition": budget_definition(budget, s.task)},
         "scorer": s.scorer,
         "search": {"units": s.units, "objective": s.objective, "layout": verifier.layout},
-        **scores_payload(scores, calibration),
+        **scores_payload(scored.table, scored.calibration),
         "baseline": accuracy_summary(verifier.baseline),
         "final": final_summary(selection, verifier.baseline, s.gqa),
         "points": selection.points(),

@@ -22,8 +22,11 @@ from pathlib import Path
 
 import torch
 
+from prune_heads.console import say
 from prune_heads.errors import UserError
-from prune_heads.eval.passes import EvalResult, agreement, answer_kl, paired_delta
+from prune_heads.eval.encoding import EncodedTask
+from prune_heads.eval.results import EvalResult, agreement, answer_kl, paired_delta
+from prune_heads.eval.work import Work
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from prune_heads.io.readers import read_json
 from prune_heads.plan.ablation import dynamic_masks
@@ -127,60 +130,93 @@ def check_study_args(functions: list[str], percents, modes) -> None:
     if bad_modes:
         raise UserError(f"unknown study mode(s) {', '.join(bad_modes)}; choose from: {', '.join(MODES)}")
     if any(not 0 <= p <= 100 for p in percents):
-        raise UserError(f"--percents must lie between 0 and 100, got {', '.join(f'{p:g}' for p in percents)}")
+        raise UserError(f"`percents` must lie between 0 and 100, got {', '.join(f'{p:g}' for p in percents)}")
 
 
-def run_study(eval_scores: ScoreTable, calib_scores: ScoreTable, evaluate, baseline: EvalResult,
-              functions: list[str], percents, modes, budget_points: float, seed: int = 0, on_point=None) -> dict:
+@dataclass(frozen=True)
+class StudyPlan:
+    """What a study evaluates: score functions, percents of pooled per-input scores, ablation modes, the budget (in
+    accuracy points) the curves are judged against, and the seed of the random-heads baseline."""
+
+    functions: list[str]
+    percents: tuple[float, ...]
+    modes: tuple[str, ...]
+    budget_points: float
+    seed: int = 0
+
+
+class StudyEvaluator:
+    """The task under a head mask, cached by the run's work: a [L, H] mask (one head set for every input) or a
+    [N, L, H] mask (one per input); and the unablated baseline."""
+
+    def __init__(self, work: Work, enc: EncodedTask, baseline: EvalResult):
+        self.work, self.enc, self.baseline = work, enc, baseline
+
+    def evaluate(self, mask: torch.Tensor, label: str) -> EvalResult:
+        return self.work.evaluate(self.enc, mask, label)
+
+
+def study_curves(evaluator: StudyEvaluator, eval_scores: ScoreTable, calib_scores: ScoreTable,
+                 plan: StudyPlan) -> dict:
     """``eval_scores``: per-input scores on the evaluation inputs, in question order (dynamic thresholds and masks);
-    ``calib_scores``: the calibration set (static selections). ``evaluate(mask, label)`` takes a [L, H] mask (one
-    head set for every input) or a [N, L, H] mask (one per input) and returns an EvalResult."""
-    check_study_args(functions, percents, modes)
-    num_inputs, layers, heads = eval_scores.per_input[functions[0]].shape
-    total = layers * heads
+    ``calib_scores``: the calibration set (static selections). Every point is said as it is evaluated."""
+    check_study_args(plan.functions, plan.percents, plan.modes)
+    num_inputs, layers, heads = eval_scores.per_input[plan.functions[0]].shape
     curves: dict[tuple[str, str], Curve] = {}
-
-    def add(curve_key, point):
-        curves.setdefault(curve_key, Curve(*curve_key)).points.append(point)
-        if on_point:
-            on_point(point)
-
-    base_point = lambda f, mode: _point(f, mode, 0, None, 0.0, baseline, baseline)  # noqa: E731
-    for function in functions:
-        direction = score_direction(function)
-        per_input = eval_scores.per_input[function]
-        for mode in modes:
+    baseline = evaluator.baseline
+    for function in plan.functions:
+        for mode in plan.modes:
             if mode == "random":
                 continue
-            add((function, mode), base_point(function, mode))
+            _add(curves, _point(function, mode, 0, None, 0.0, baseline, baseline))
             if mode == "dynamic":
-                for p, thr in thresholds(per_input, direction, percents).items():
-                    if p == 0:
-                        continue
-                    masks = dynamic_masks(per_input, thr, direction)  # [N, L, H], 1 keeps a head
-                    zeroed = 100 * float((masks == 0).double().mean())
-                    res = evaluate(masks, f"{function} dynamic {p:g}%")
-                    add((function, mode), _point(function, mode, p, thr, zeroed, res, baseline))
+                _dynamic_curve(evaluator, curves, function, eval_scores.per_input[function], plan.percents)
             else:
-                ranking = calib_scores.ranking(function)
-                for p in percents:
-                    k = round(p / 100 * total)
-                    if k <= 0:
-                        continue
-                    hs = HeadSet.from_pairs(ranking[:k])
-                    res = evaluate(hs.mask(layers, heads), f"{function} static {p:g}%")
-                    add((function, mode), _point(function, mode, p, None, 100 * k / total, res, baseline))
-    if "random" in modes:
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
-        add(("random", "random"), base_point("random", "random"))
-        for p in percents:
-            k = round(p / 100 * total)
-            if k <= 0:
-                continue
-            hs = HeadSet.from_pairs([(i // heads, i % heads) for i in order[:k]])
-            res = evaluate(hs.mask(layers, heads), f"random {p:g}%")
-            add(("random", "random"), _point("random", "random", p, None, 100 * k / total, res, baseline))
-    return summarise(curves, baseline.accuracy, budget_points, num_inputs, baseline.correct, seed)
+                _static_curve(evaluator, curves, function, calib_scores.ranking(function), plan.percents,
+                              (layers, heads))
+    if "random" in plan.modes:
+        total = layers * heads
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(plan.seed)).tolist()
+        _add(curves, _point("random", "random", 0, None, 0.0, baseline, baseline))
+        _static_curve(evaluator, curves, "random", [(i // heads, i % heads) for i in order], plan.percents,
+                      (layers, heads))
+    return summarise(curves, baseline.accuracy, plan.budget_points, num_inputs, baseline.correct, plan.seed)
+
+
+def _add(curves: dict[tuple[str, str], Curve], point: StudyPoint) -> None:
+    curves.setdefault((point.function, point.mode), Curve(point.function, point.mode)).points.append(point)
+    if point.percent:
+        say(f"  {point.function:10s} {point.mode:8s} p={point.percent:4g}%: {point.zeroed:5.1f}% zeroed  "
+            f"{100 * point.accuracy:6.2f}%  delta {point.delta['delta_points']:+.2f} pt")
+
+
+def _dynamic_curve(evaluator: StudyEvaluator, curves: dict, function: str, per_input: torch.Tensor,
+                   percents) -> None:
+    """On each input, the heads whose score on that input passes the threshold of p% are zeroed."""
+    direction = score_direction(function)
+    for p, thr in thresholds(per_input, direction, percents).items():
+        if p == 0:
+            continue
+        masks = dynamic_masks(per_input, thr, direction)  # [N, L, H], 1 keeps a head
+        zeroed = 100 * float((masks == 0).double().mean())
+        res = evaluator.evaluate(masks, f"{function} dynamic {p:g}%")
+        _add(curves, _point(function, "dynamic", p, thr, zeroed, res, evaluator.baseline))
+
+
+def _static_curve(evaluator: StudyEvaluator, curves: dict, function: str, order: list[tuple[int, int]], percents,
+                  grid: tuple[int, int]) -> None:
+    """The first p% of ``order`` (a ranking by calibration score, or a random order) zeroed for every input."""
+    layers, heads = grid
+    total = layers * heads
+    mode = "random" if function == "random" else "static"
+    for p in percents:
+        k = round(p / 100 * total)
+        if k <= 0:
+            continue
+        hs = HeadSet.from_pairs(order[:k])
+        label = f"random {p:g}%" if mode == "random" else f"{function} static {p:g}%"
+        res = evaluator.evaluate(hs.mask(layers, heads), label)
+        _add(curves, _point(function, mode, p, None, 100 * k / total, res, evaluator.baseline))
 
 
 def summarise(curves: dict[tuple[str, str], Curve], baseline_accuracy: float, budget_points: float, inputs: int,
@@ -295,7 +331,7 @@ def read_study(path: str | Path) -> dict:
     p = Path(path)
     p = p / "study.json" if p.is_dir() else p
     if not p.is_file():
-        raise UserError(f"{path} is not a study (no study.json); run prune-heads study --out DIR first")
+        raise UserError(f"{path} is not a study (no study.json); run prune-heads study `out` DIR first")
     study = read_json(p, "study")
     if not isinstance(study, dict) or "ranking" not in study:
         raise UserError(f"{p} has no function ranking; it was not written by prune-heads study")

@@ -19,12 +19,12 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from prune_heads import memory
 from prune_heads.heads import BASE_KEYS, ScoreTable
 from prune_heads.models.batching import text_batches
 from prune_heads.models.loading import LoadedModel
 from prune_heads.models.placement import live_weight
 from prune_heads.scoring import attention_stats
-from prune_heads_cli.memory import release_free
 
 _EPS = 1e-12
 
@@ -213,7 +213,7 @@ def score_heads(
             for row, i in enumerate(idx):
                 ids[row, : lengths[row]] = torch.tensor(list(sequences[i]), dtype=torch.long)
             base = probe.run(ids, lengths)
-            release_free()
+            memory.policy().after_pass()
             for key, value in derived_scores(base).items():
                 slots = per_input.setdefault(key, [None] * len(sequences))
                 for row, i in enumerate(idx):

@@ -10,12 +10,26 @@ is removed.
 """
 from __future__ import annotations
 
-from prune_heads.eval.passes import encode_task, paired_delta
+from dataclasses import dataclass
+
+from prune_heads.console import say
+from prune_heads.data.tasks import TaskData
+from prune_heads.eval.encoding import encode_task
+from prune_heads.eval.results import accuracy_summary, paired_delta
 from prune_heads.heads import HeadSet
-from prune_heads.plan.planner import objective_value, shipped
-from prune_heads.report.report import accuracy_summary
-from prune_heads.search.prefixes import judge
+from prune_heads.plan.planner import objective_value
+from prune_heads.search.budget import judge
 from prune_heads.search.selection import Selection
+from prune_heads.search.verifier import Verifier
+
+
+@dataclass(frozen=True)
+class ConfirmationQuestions:
+    """The questions the chosen point is confirmed on (None: confirmation does not apply) and where they come from
+    (or why there are none)."""
+
+    data: TaskData | None
+    source: str | None
 
 
 def _record(point, delta, kl, agree, ok) -> dict:
@@ -23,33 +37,34 @@ def _record(point, delta, kl, agree, ok) -> dict:
             "agreement": round(agree, 6), "within_budget": ok}
 
 
-def confirm(run, verifier, selection: Selection, objective: str, echo) -> tuple[Selection, dict]:
+def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Selection,
+            objective: str) -> tuple[Selection, dict]:
     """(the confirmed selection, the report's ``confirmation``); the selection is unchanged when confirmation does
     not apply (no confirmation questions, a next-token-KL budget, healing in the search)."""
-    data, source = run.inputs.confirmation, run.inputs.confirmation_source
+    data, source, work = questions.data, questions.source, verifier.work
     if data is None or not selection.heads:
         return selection, {"confirmed": None, "reason": source or "nothing to confirm: no heads were chosen"}
-    enc = encode_task(run.lm, data)
-    baseline = run.work.evaluate(enc, None, "unablated (confirmation)")
+    enc = encode_task(work.lm, data)
+    baseline = work.evaluate(enc, None, "unablated (confirmation)")
     passing = [p for p in selection.search.points if p.within_budget and p.heads]
     passing.sort(key=lambda p: (objective_value(objective, p), p.num_heads), reverse=True)
     report = {"questions": len(enc), "subjects": len(enc.subjects), "source": source, "rule": verifier.budget.rule,
               "baseline": accuracy_summary(baseline), "points": [], "question_ids": [
                   [q.subject, q.index] for q in data.questions]}
     for point in passing:
-        result = run.work.evaluate(enc, verifier.target(point.heads), f"confirm {point.num_heads} heads")
+        result = work.evaluate(enc, verifier.target(point.heads), f"confirm {point.num_heads} heads")
         delta, kl, agree, ok = judge(verifier.budget, result, baseline)
         report["points"].append(_record(point, delta, kl, agree, ok))
-        echo(f"  confirmation of {point.num_heads} heads on {len(enc)} unseen questions: delta {delta.delta:+.2f} pt "
+        say(f"  confirmation of {point.num_heads} heads on {len(enc)} unseen questions: delta {delta.delta:+.2f} pt "
              f"[{delta.ci_low:+.2f}, {delta.ci_high:+.2f}]  KL {kl:.4f} nat  "
              + ("confirmed" if ok else "over budget"), fg="green" if ok else "yellow")
         if ok:
             report.update(confirmed=True, num_heads=point.num_heads, **delta.to_json(), kl_answer_nats=round(kl, 6))
             return Selection(point.heads, point.result, point.delta, selection.search, selection.total,
-                             point.shipped), report
-    echo(f"nothing confirms within {verifier.budget} on {len(enc)} unseen questions: no heads are removed",
+                             point.savings), report
+    say(f"nothing confirms within {verifier.budget} on {len(enc)} unseen questions: no heads are removed",
          fg="red", bold=True)
     base = verifier.baseline
     report.update(confirmed=False, num_heads=0)
     return Selection(HeadSet(), base, paired_delta(base, base), selection.search, selection.total,
-                     shipped(verifier.planner, HeadSet(), verifier.layout)), report
+                     verifier.savings(HeadSet())), report

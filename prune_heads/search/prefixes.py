@@ -7,116 +7,44 @@ next failing one.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
-from prune_heads.errors import UserError
-from prune_heads.eval.passes import EvalResult, PairedDelta, agreement, answer_kl, paired_delta, restricted
+from prune_heads.console import say
+from prune_heads.eval.results import EvalResult, PairedDelta
 from prune_heads.heads import HeadSet
+from prune_heads.plan.planner import objective_value
+from prune_heads.search.budget import Budget, judge
 from prune_heads.search.units import UnitRanking, head_units
 
 DEFAULT_GRID = (0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50)
 
 
-METRICS = ("accuracy", "kl", "kl-text")
-MAX_NATS = 100.0  # a KL budget beyond this accepts any model
-# --metric values that also name the task they are measured on (the accuracy of that task)
-METRIC_TASKS = {"mmlu": "mmlu", "mmlu-cloze": "mmlu-cloze"}
-METRIC_CHOICES = ("mmlu", "mmlu-cloze", "accuracy", "kl", "kl-text")
-
-
 @dataclass(frozen=True)
-class Budget:
-    """``accuracy``: at most ``points`` accuracy points below the unablated model on the same questions.
-    ``kl``: at most ``points`` nats of mean KL divergence from the unablated model's distribution over the choices
-    (the four answer letters on MMLU; it measures damage even on a model that answers at chance).
-    ``kl-text``: at most ``points`` nats of mean next-token KL from the unablated model on held-out text."""
+class SearchOptions:
+    """How the search walks the ranking: the coarse grid (fractions of all heads), how many failing grid points in a
+    row end it, the bisection steps after it, how many grid points share forward passes, and what the chosen point
+    maximises (``objective``: params, kv-cache, flops or heads)."""
 
-    points: float
-    metric: str = "accuracy"
-    text: str = field(default="", compare=False)  # as the user wrote it (reports quote it)
-    rule: str = field(default="point", compare=False)  # --decision: point (the paper's) | confident (non-inferiority)
-
-    @staticmethod
-    def parse(text: str | float, metric: str | None = None) -> "Budget":
-        named, metric = metric, ("accuracy" if metric in METRIC_TASKS else metric)
-        raw = str(text).strip().lower()
-        m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(%|pt|pts|points?|nats?)?", raw)
-        if not m:
-            raise UserError(
-                f"--budget {text!r} is not a budget; write accuracy points as 1%, 0.5 or 2pt (at most that many points "
-                "below the unablated model), or nats of KL as 0.05nat"
-            )
-        value, unit = float(m.group(1)), m.group(2) or ""
-        unit_metric = "kl" if unit.startswith("nat") else ("accuracy" if unit else None)
-        in_nats = metric in ("kl", "kl-text")
-        if metric and unit_metric and in_nats != (unit_metric == "kl"):
-            raise UserError(f"--budget {text!r} is in {'nats' if unit_metric == 'kl' else 'accuracy points'}, but "
-                            f"--metric is {named}; use --metric {'kl' if unit_metric == 'kl' else 'accuracy'} or a "
-                            f"budget in {'nats (0.05nat)' if in_nats else 'points (1%)'}")
-        metric = metric or unit_metric or "accuracy"
-        if metric not in METRICS:
-            raise UserError(f"--metric {metric!r} is not one of {', '.join(METRIC_CHOICES)}")
-        if value < 0 or (metric == "accuracy" and value > 100):
-            raise UserError(f"--budget {text!r} is out of range; it must be between 0 and 100 accuracy points")
-        if metric != "accuracy" and value > MAX_NATS:
-            raise UserError(f"--budget {text!r} is out of range; a KL budget is at most {MAX_NATS:g} nats (0.02-0.1 "
-                            "is typical)")
-        return Budget(value, metric, str(text))
-
-    @property
-    def in_nats(self) -> bool:
-        return self.metric in ("kl", "kl-text")
-
-    def allows(self, delta: PairedDelta, kl: float = 0.0, kl_text: float | None = None, kl_se: float = 0.0,
-               kl_text_se: float = 0.0, z: float = 1.96) -> bool:
-        """``point``: the estimate is within budget. ``confident``: the one-sided 97.5% bound is (for accuracy the
-        lower end of the paired difference's 95% interval, for a KL the mean plus 1.96 standard errors)."""
-        sure = self.rule == "confident"
-        if self.metric == "kl":
-            return kl + (z * kl_se if sure else 0.0) <= self.points + 1e-12
-        if self.metric == "kl-text":
-            if kl_text is None:
-                raise ValueError("a kl-text budget needs the next-token KL of every evaluated point")
-            return kl_text + (z * kl_text_se if sure else 0.0) <= self.points + 1e-12
-        return (delta.ci_low if sure else delta.delta) >= -self.points - 1e-9
-
-    def __str__(self) -> str:
-        sure = " (confident: 97.5% bound)" if self.rule == "confident" else ""
-        if self.metric == "kl":
-            return f"{self.points:g} nats of answer KL{sure}"
-        if self.metric == "kl-text":
-            return f"{self.points:g} nats of next-token KL on held-out text{sure}"
-        return f"{self.points:g} accuracy points{sure}"
+    grid: tuple[float, ...] = DEFAULT_GRID
+    patience: int = 2
+    refine_steps: int = 3
+    parallel: int = 1
+    objective: str = "heads"
 
 
-def judge(budget: Budget, result: EvalResult, baseline: EvalResult) -> tuple[PairedDelta, float, float, bool]:
-    """(paired accuracy delta, mean answer KL in nats, answer agreement, within budget) of one evaluation, on the
-    questions it covers."""
-    baseline = restricted(baseline, result)
-    delta = paired_delta(result, baseline)
-    kls = answer_kl(result, baseline)
-    kl = float(kls.mean())
-    kl_se = float(kls.std(unbiased=True)) / kls.numel() ** 0.5 if kls.numel() > 1 else float("inf")
-    ok = budget.allows(delta, kl, result.meta.get("kl_text"), kl_se, result.meta.get("kl_text_se", 0.0))
-    return delta, kl, agreement(result, baseline), ok
+class PointEvaluator(Protocol):
+    """What the search asks of the model: its unablated result, the budget, a head set's evaluation (several at once
+    when ``parallel > 1``), and what the export of a head set would save (None: not known)."""
 
+    baseline: EvalResult
+    budget: Budget
 
-def decided_over_budget(budget: Budget, partial: EvalResult, baseline_part: EvalResult, z: float = 1.96) -> bool:
-    """Early stop: on the questions evaluated so far, does the 95% CI already put this point over budget? (accuracy:
-    the paired difference's upper bound is below -budget; kl: the lower bound of the mean answer KL is above the
-    budget). Points within budget are always evaluated on every question, so the chosen one is never partial."""
-    if budget.metric == "accuracy":
-        return paired_delta(partial, baseline_part, z).ci_high < -budget.points
-    if budget.metric == "kl":
-        kl = answer_kl(partial, baseline_part)
-        n = kl.numel()
-        if n < 2:
-            return False
-        se = float(kl.std(unbiased=True)) / n ** 0.5
-        return float(kl.mean()) - z * se > budget.points
-    return False  # kl-text is measured on other texts, all at once
+    def evaluate(self, heads: HeadSet, label: str) -> EvalResult: ...
+
+    def evaluate_group(self, sets: list[HeadSet], labels: list[str]) -> list[EvalResult]: ...
+
+    def savings(self, heads: HeadSet) -> dict | None: ...
 
 
 @dataclass
@@ -127,12 +55,12 @@ class SearchPoint:
     accuracy: float
     delta: PairedDelta
     within_budget: bool
-    stage: str  # "baseline" | "grid" | "refine"
+    phase: str  # "baseline" | "grid" | "refine" | "balanced" (report.json: "stage")
     result: EvalResult = field(repr=False, compare=False, default=None)  # per-question results (not in to_json)
     kl: float = 0.0  # mean KL(unablated || ablated) over the four answer letters, nats
     agreement: float = 1.0  # share of questions answered as the unablated model does
     units: int = 0  # removal units in the prefix (units.py); equal to num_heads for per-head units
-    shipped: dict | None = None  # what the model that ships for these heads saves (planning.Planner.shipped)
+    savings: dict | None = None  # what the model that ships for these heads saves (Planner.savings)
 
     @property
     def kl_text(self) -> float | None:
@@ -151,9 +79,9 @@ class SearchPoint:
             **extra,
             **({"stopped_early": True} if self.result is not None and self.result.meta.get("stopped_early") else {}),
             "within_budget": self.within_budget,
-            "stage": self.stage,
+            "stage": self.phase,
             "units": self.units,
-            **({"shipped": self.shipped} if self.shipped is not None else {}),
+            **({"shipped": self.savings} if self.savings is not None else {}),
         }
 
 
@@ -167,12 +95,11 @@ class SearchResult:
 
 
 class _Evaluated:
-    """Each prefix of the unit ranking evaluated once, in the order asked; coarse-grid prefixes optionally prefetched
-    together. ``describe(heads)`` adds what the shipped model saves to each point."""
+    """Each prefix of the unit ranking evaluated once, in the order asked (each point said as it is judged);
+    coarse-grid prefixes optionally prefetched together."""
 
-    def __init__(self, ranking: UnitRanking, evaluate_heads, baseline, budget, on_point, evaluate_group, describe):
-        self.ranking, self.evaluate_heads, self.baseline, self.budget = ranking, evaluate_heads, baseline, budget
-        self.on_point, self.evaluate_group, self.describe = on_point, evaluate_group, describe
+    def __init__(self, ranking: UnitRanking, evaluator: PointEvaluator):
+        self.ranking, self.evaluator = ranking, evaluator
         self.result = SearchResult()
         self.done: dict[int, SearchPoint] = {}
         self.precomputed: dict[int, EvalResult] = {}
@@ -184,65 +111,53 @@ class _Evaluated:
 
     def prefetch(self, ks: list[int]) -> None:
         todo = [k for k in ks if k not in self.done and k not in self.precomputed and k > 0]
-        if self.evaluate_group is None or len(todo) < 2:
+        if len(todo) < 2:
             return
         sets = [self.ranking.heads(k) for k in todo]
-        for k, res in zip(todo, self.evaluate_group(sets, [self.label(k) for k in todo])):
+        for k, res in zip(todo, self.evaluator.evaluate_group(sets, [self.label(k) for k in todo])):
             self.precomputed[k] = res
 
-    def point(self, k: int, stage: str) -> SearchPoint:
+    def point(self, k: int, phase: str) -> SearchPoint:
         if k in self.done:
             return self.done[k]
-        heads = self.ranking.heads(k)
-        res = (self.baseline if k == 0 else self.precomputed.pop(k, None)
-               or self.evaluate_heads(heads, self.label(k)))
-        delta, kl, agree, ok = judge(self.budget, res, self.baseline)
-        p = SearchPoint(len(heads), len(heads) / self.ranking.total_heads, heads, res.accuracy, delta, ok, stage, res,
-                        kl, agree, k, self.describe(heads) if self.describe else None)
+        heads, ev = self.ranking.heads(k), self.evaluator
+        res = (ev.baseline if k == 0 else self.precomputed.pop(k, None) or ev.evaluate(heads, self.label(k)))
+        delta, kl, agree, ok = judge(ev.budget, res, ev.baseline)
+        p = SearchPoint(len(heads), len(heads) / self.ranking.total_heads, heads, res.accuracy, delta, ok, phase, res,
+                        kl, agree, k, ev.savings(heads))
         self.done[k] = p
         self.result.points.append(p)
-        if self.on_point:
-            self.on_point(p)
+        say_point(p)
         return p
 
 
-def search_budget(
-    ranking: "list[tuple[int, int]] | UnitRanking",
-    evaluate_heads: Callable[[HeadSet, str], EvalResult],
-    baseline: EvalResult,
-    budget: Budget,
-    grid: tuple[float, ...] = DEFAULT_GRID,
-    patience: int = 2,
-    refine_steps: int = 3,
-    on_point: Callable[[SearchPoint], None] | None = None,
-    evaluate_group: Callable[[list[HeadSet], list[str]], list[EvalResult]] | None = None,
-    parallel: int = 1,
-    describe: Callable[[HeadSet], dict] | None = None,
-    objective: Callable[[SearchPoint], float] | None = None,
-) -> SearchResult:
+def say_point(p: SearchPoint) -> None:
+    """One line per evaluated point (none for the unablated one)."""
+    if not p.num_heads:
+        return
+    mark = "within budget" if p.within_budget else "over budget"
+    ships = f"  ships -{p.savings['attention_params_removed']:,} attn params" if p.savings else ""
+    say(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%){ships}: {100 * p.accuracy:6.2f}%  "
+        f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  "
+        f"KL {p.kl:.4f} nat" + (f"  text KL {p.kl_text:.4f} nat" if p.kl_text is not None else "")
+        + f"  agree {100 * p.agreement:5.1f}%  {mark}"
+        + (f" (decided after {p.delta.n} questions)" if p.result.meta.get("stopped_early") else ""))
+
+
+def search_budget(ranking: "list[tuple[int, int]] | UnitRanking", evaluator: PointEvaluator,
+                  options: SearchOptions = SearchOptions()) -> SearchResult:
     """Grow prefixes of ``ranking`` (removal units, or (layer, head) pairs: one unit each); the grid is in fractions
-    of all heads. ``evaluate_group`` with ``parallel > 1`` evaluates that many coarse-grid points in the same forward
-    passes (points past the stopping rule that were evaluated anyway stay on the curve). The chosen point is the
-    passing point that maximises ``objective`` (default: heads zeroed), the largest on ties."""
+    of all heads. With ``options.parallel > 1`` that many coarse-grid points are evaluated in the same forward passes
+    (points past the stopping rule that were evaluated anyway stay on the curve). The chosen point is the passing
+    point that maximises ``options.objective`` in the model that ships, the largest on ties."""
     if not isinstance(ranking, UnitRanking):
         ranking = UnitRanking(head_units(ranking), len(ranking))
-    points = _Evaluated(ranking, evaluate_heads, baseline, budget, on_point, evaluate_group, describe)
+    points = _Evaluated(ranking, evaluator)
     points.point(0, "baseline")
-    sizes = sorted({ranking.prefix_for_fraction(f) for f in grid if 0 < f <= 1} - {0}) if len(ranking) else []
-    best_k, fails_in_row, first_fail_above = 0, 0, None
-    for i, k in enumerate(sizes):
-        if parallel > 1 and i % parallel == 0:
-            points.prefetch(sizes[i:i + parallel])
-        if points.point(k, "grid").within_budget:
-            best_k, fails_in_row, first_fail_above = k, 0, None
-        else:
-            fails_in_row += 1
-            first_fail_above = first_fail_above or k
-            if fails_in_row >= patience:
-                break
+    best_k, first_fail_above = _grid(points, ranking, options)
     # Refine between the best passing size and the first failing size above it.
     lo, hi = best_k, first_fail_above
-    for _ in range(refine_steps):
+    for _ in range(options.refine_steps):
         if hi is None or hi - lo <= 1:
             break
         mid = (lo + hi) // 2
@@ -251,6 +166,25 @@ def search_budget(
         else:
             hi = mid
     result = points.result
-    value = objective or (lambda p: p.num_heads)
-    result.best = max((p for p in result.points if p.within_budget), key=lambda p: (value(p), p.num_heads))
+    result.best = max((p for p in result.points if p.within_budget),
+                      key=lambda p: (objective_value(options.objective, p), p.num_heads))
     return result
+
+
+def _grid(points: _Evaluated, ranking: UnitRanking, options: SearchOptions) -> tuple[int, int | None]:
+    """The coarse grid upwards until ``patience`` points in a row fail: (best passing size, first failing size
+    above it)."""
+    grid = options.grid
+    sizes = sorted({ranking.prefix_for_fraction(f) for f in grid if 0 < f <= 1} - {0}) if len(ranking) else []
+    best_k, fails_in_row, first_fail_above = 0, 0, None
+    for i, k in enumerate(sizes):
+        if options.parallel > 1 and i % options.parallel == 0:
+            points.prefetch(sizes[i:i + options.parallel])
+        if points.point(k, "grid").within_budget:
+            best_k, fails_in_row, first_fail_above = k, 0, None
+        else:
+            fails_in_row += 1
+            first_fail_above = first_fail_above or k
+            if fails_in_row >= options.patience:
+                break
+    return best_k, first_fail_above

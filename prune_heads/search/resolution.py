@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prune_heads.eval.passes import EvalResult, answer_kl, restricted
-from prune_heads.search.prefixes import Budget
+from prune_heads.eval.results import EvalResult, answer_kl, restricted
+from prune_heads.search.budget import Budget
 
 Z = 1.96  # the two-sided 95% interval the search prints (and the one-sided 97.5% bound of --decision confident)
 
@@ -44,12 +44,12 @@ class Resolution:
 
     @property
     def resolves(self) -> bool:
-        return self.half_width() <= self.budget.points
+        return self.half_width() <= self.budget.limit
 
     def describe(self, full: int | None = None, task: str = "mmlu") -> str:
         unit = "nat" if self.budget.in_nats else "pt"
         text = (f"{self.questions} questions resolve +/-{self.half_width():.3g} {unit} at the budget's edge "
-                f"(budget {self.budget.points:g} {unit}; estimated from {self.pilot})")
+                f"(budget {self.budget.limit:g} {unit}; estimated from {self.pilot})")
         if full and full != self.questions:
             text += f"; the full {task} ({full:,} questions) would resolve +/-{self.half_width(full):.3g} {unit}"
         return text
@@ -58,7 +58,7 @@ class Resolution:
         out = {"questions": self.questions, "predicted_half_width": round(self.half_width(), 6),
                "edge_sd": round(self.edge_sd, 6), "unit": "nats" if self.budget.in_nats else "points",
                "resolves_budget": self.resolves, "pilot": self.pilot,
-               "questions_to_resolve_budget": self.questions_for(self.budget.points)}
+               "questions_to_resolve_budget": self.questions_for(self.budget.limit)}
         if full:
             out.update(full_task_questions=full, full_task_half_width=round(self.half_width(full), 6))
         return out
@@ -68,13 +68,13 @@ def edge_sd(budget: Budget, pilot: EvalResult, baseline: EvalResult) -> float:
     """Per-question sd of a point at the budget's edge, from one pilot ablation (see the module's docstring)."""
     baseline = restricted(baseline, pilot)
     if budget.metric == "accuracy":
-        b = min(budget.points / 100.0, 0.5)
+        b = min(budget.limit / 100.0, 0.5)
         d = (pilot.correct - baseline.correct).double()
         observed = float(d.std(unbiased=True)) if d.numel() > 1 else 0.0
         return 100.0 * max(observed, math.sqrt(b * (1 - b)))
     if budget.metric == "kl-text":
-        return pilot.meta["kl_text_cv"] * budget.points
-    return coefficient_of_variation(answer_kl(pilot, baseline).double()) * budget.points
+        return pilot.meta["kl_text_cv"] * budget.limit
+    return coefficient_of_variation(answer_kl(pilot, baseline).double()) * budget.limit
 
 
 def coefficient_of_variation(values: torch.Tensor) -> float:
@@ -93,7 +93,7 @@ def predict(budget: Budget, pilot: EvalResult, baseline: EvalResult, questions: 
 
 def per_subject_for(resolution: Resolution, subjects: int, cap: int | None) -> tuple[int, bool]:
     """(questions per subject whose predicted half-width fits the budget, whether ``cap`` cut it short)."""
-    need = math.ceil(resolution.questions_for(resolution.budget.points) / max(subjects, 1))
+    need = math.ceil(resolution.questions_for(resolution.budget.limit) / max(subjects, 1))
     if cap is not None and need > cap:
         return max(cap, 1), True
     return max(need, 1), False

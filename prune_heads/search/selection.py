@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
-from prune_heads.eval.passes import EvalResult, PairedDelta
+from prune_heads.console import say
+from prune_heads.eval.results import EvalResult, PairedDelta
 from prune_heads.heads import HeadSet, ScoreTable, score_direction
-from prune_heads.plan.planner import balanced_selection, objective_value, shipped
-from prune_heads.search.prefixes import SearchPoint, SearchResult, judge, search_budget
+from prune_heads.plan.planner import balanced_selection
+from prune_heads.search.budget import judge
+from prune_heads.search.prefixes import SearchOptions, SearchPoint, SearchResult, search_budget
 from prune_heads.search.resolution import Resolution, predict
 from prune_heads.search.units import UnitRanking, gqa_units, head_units
 from prune_heads.search.verifier import Verifier
@@ -23,73 +24,65 @@ class Selection:
     delta: PairedDelta
     search: SearchResult
     total: int  # heads in the model
-    shipped: dict | None = None  # what the model that ships saves (planning.shipped)
+    savings: dict | None = None  # what the model that ships saves (Planner.savings)
 
     def points(self) -> list[dict]:
         return [dict(p.to_json(), chosen=p.heads == self.heads) for p in self.search.curve()]
 
 
-def point_printer(echo: Callable[[str], None]) -> Callable[[SearchPoint], None]:
-    def on_point(p: SearchPoint) -> None:
-        if not p.num_heads:
-            return
-        mark = "within budget" if p.within_budget else "over budget"
-        ships = (f"  ships -{p.shipped['attention_params_removed']:,} attn params" if p.shipped else "")
-        echo(f"  {p.num_heads:4d} heads ({100 * p.fraction:5.1f}%){ships}: {100 * p.accuracy:6.2f}%  "
-             f"delta {p.delta.delta:+.2f} pt [{p.delta.ci_low:+.2f}, {p.delta.ci_high:+.2f}]  "
-             f"KL {p.kl:.4f} nat" + (f"  text KL {p.kl_text:.4f} nat" if p.kl_text is not None else "")
-             + f"  agree {100 * p.agreement:5.1f}%  {mark}"
-             + (f" (decided after {p.delta.n} questions)" if p.result.meta.get("stopped_early") else ""))
+@dataclass(frozen=True)
+class SelectionOptions:
+    """What the search removes and maximises: the scorer that ranks heads, the removal units (``gqa``: slices and
+    whole KV groups; ``heads``: single heads), the grouped-query rule for single heads (``exact`` | ``balanced``) and
+    how the search walks (its grid, patience, objective)."""
 
-    return on_point
+    scorer: str = "ahon_ln"
+    units: str = "gqa"
+    gqa: str = "exact"
+    search: SearchOptions = SearchOptions()
 
 
-def unit_ranking(scores: ScoreTable, scorer: str, verifier: Verifier, settings) -> UnitRanking:
+def unit_ranking(scores: ScoreTable, verifier: Verifier, options: SelectionOptions) -> UnitRanking:
     """The removal units of ``--units``, most dormant first: per-head (the paper's), or GQA slices and groups
     (uniform across layers for ``--layout uniform``; whole groups only for ``--objective kv-cache``)."""
     geometries = verifier.planner.geometries
     total = sum(g.num_heads for g in geometries)
-    if settings.units == "heads":
+    scorer = options.scorer
+    if options.units == "heads":
         return UnitRanking(head_units(scores.ranking(scorer)), total)
     units = gqa_units(scores.mean(scorer), score_direction(scorer) == "low", geometries,
-                      uniform=settings.layout == "uniform", slices=settings.objective != "kv-cache")
+                      uniform=verifier.layout == "uniform", slices=options.search.objective != "kv-cache")
     return UnitRanking(units, total)
 
 
-def predict_resolution(scores: ScoreTable, scorer: str, verifier: Verifier, settings) -> Resolution | None:
+def predict_resolution(scores: ScoreTable, verifier: Verifier, options: SelectionOptions) -> Resolution | None:
     """Before the search: its first grid point, evaluated on every question as a pilot (cached, so the search reuses
     it), gives the half-width a point at the budget's edge will have (resolution.py). None with --heal-in-search."""
-    ranking = unit_ranking(scores, scorer, verifier, settings)
+    ranking = unit_ranking(scores, verifier, options)
     if verifier.heal_in_search or not len(ranking):
         return None
-    heads = ranking.heads(ranking.prefix_for_fraction(min(settings.grid)))
+    heads = ranking.heads(ranking.prefix_for_fraction(min(options.search.grid)))
     pilot = verifier.evaluate_complete(heads, f"pilot: {len(heads)}/{ranking.total_heads} heads off")
     in_texts = verifier.budget.metric == "kl-text"
-    n = len(verifier.kl_sequences) if in_texts else len(verifier.baseline.questions)
+    n = len(verifier.kl_text.sequences) if in_texts else len(verifier.baseline.questions)
     return predict(verifier.budget, pilot, verifier.baseline, n,
                    f"a pilot ablation of {len(heads)} heads, the search's first point")
 
 
-def select_heads(scores: ScoreTable, scorer: str, verifier: Verifier, settings, echo) -> Selection:
-    """The passing prefix of the unit ranking that maximises --objective in the model that ships (then balanced
+def select_heads(scores: ScoreTable, verifier: Verifier, options: SelectionOptions) -> Selection:
+    """The passing prefix of the unit ranking that maximises the objective in the model that ships (then balanced
     with --units heads --gqa balanced)."""
-    ranking = unit_ranking(scores, scorer, verifier, settings)
-    layout = verifier.layout
-
-    def describe(heads: HeadSet) -> dict:
-        return shipped(verifier.planner, heads, layout)
-
-    search = search_budget(ranking, verifier.evaluate, verifier.baseline, verifier.budget, settings.grid,
-                           settings.patience, settings.refine_steps, point_printer(echo), verifier.evaluate_group,
-                           settings.parallel, describe, lambda p: objective_value(settings.objective, p))
+    ranking = unit_ranking(scores, verifier, options)
+    search = search_budget(ranking, verifier, options.search)
     best = search.best
-    selection = Selection(best.heads, best.result, best.delta, search, ranking.total_heads, best.shipped)
-    if settings.gqa == "balanced" and best.heads:
-        selection = balance_groups(selection, scores.mean(scorer), score_direction(scorer) == "low", verifier, echo)
+    selection = Selection(best.heads, best.result, best.delta, search, ranking.total_heads, best.savings)
+    if options.gqa == "balanced" and best.heads:
+        scorer = options.scorer
+        selection = balance_groups(selection, scores.mean(scorer), score_direction(scorer) == "low", verifier)
     return selection
 
 
-def balance_groups(selection: Selection, scores, dormant_low: bool, verifier: Verifier, echo) -> Selection:
+def balance_groups(selection: Selection, scores, dormant_low: bool, verifier: Verifier) -> Selection:
     """--gqa balanced: the same number of heads removed from every KV group of a layer (stock GQA shapes with no
     KV copies), chosen by score, re-verified; while over budget, the layer removing the most gives one back."""
     geometries = verifier.planner.geometries
@@ -99,9 +92,9 @@ def balance_groups(selection: Selection, scores, dormant_low: bool, verifier: Ve
         heads = balanced_selection(selection.heads, geometries, scores, dormant_low, per_layer)
         result = verifier.evaluate(heads, f"balanced {len(heads)} heads")
         delta, kl, agree, ok = judge(verifier.budget, result, verifier.baseline)
-        echo(f"  balanced selection: {len(heads)} heads, delta {delta.delta:+.2f} pt "
+        say(f"  balanced selection: {len(heads)} heads, delta {delta.delta:+.2f} pt "
              f"({'within' if ok else 'over'} budget)")
-        saved = shipped(verifier.planner, heads, verifier.layout)
+        saved = verifier.savings(heads)
         selection.search.points.append(SearchPoint(len(heads), len(heads) / total, heads, result.accuracy, delta, ok,
                                                    "balanced", result, kl, agree, len(heads), saved))
         if ok or not heads:

@@ -7,33 +7,73 @@ will. With ``--heal-in-search`` a point is the pruned model after LoRA healing. 
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
 
-from prune_heads.eval.passes import EncodedTask, EvalResult, split_blocks
+import torch
+
+from prune_heads.console import say
+from prune_heads.eval.encoding import EncodedTask, split_blocks
+from prune_heads.eval.results import EvalResult, in_order_of, restricted
 from prune_heads.eval.work import Work
 from prune_heads.heads import HeadSet
 from prune_heads.io.cache import digest
 from prune_heads.models.loading import LoadedModel
+from prune_heads.plan.healing import Healer
 from prune_heads.plan.planner import Planner
 from prune_heads.plan.slicing import pruned_copy
-from prune_heads.search.prefixes import Budget, decided_over_budget
+from prune_heads.search.budget import Budget, decided_over_budget
 from prune_heads.search.resolution import coefficient_of_variation
 
-Healer = Callable[[object, object], tuple]  # (pruned model, plan) -> (healed model, record)
+
+@dataclass(frozen=True)
+class HeldOutText:
+    """Held-out texts the next-token KL is measured on (token ids), and where they came from."""
+
+    sequences: list[list[int]] = field(repr=False)
+    source: str
+
+
+@dataclass(frozen=True)
+class VerifierSetup:
+    """How a head set is judged: the budget, the export layout whose plan the ablation follows, early-stop blocks,
+    the held-out texts of the next-token KL, and healing (with ``heal_in_search``: every point is judged healed)."""
+
+    budget: Budget
+    layout: str = "auto"
+    early_stop_blocks: int = 1
+    kl_text: HeldOutText | None = None
+    healer: Healer | None = None
+    heal_in_search: bool = False
 
 
 class Verifier:
-    def __init__(self, work: Work, planner: Planner, enc: EncodedTask, budget: Budget, layout: str,
-                 kl_sequences: list[list[int]] | None = None, kl_source: str | None = None, early_stop_blocks: int = 1,
-                 heal: Healer | None = None, heal_key: dict | None = None, heal_in_search: bool = False, log=print):
-        self.log = log
-        self.work, self.planner, self.enc, self.budget, self.layout = work, planner, enc, budget, layout
-        self.kl_sequences, self.kl_source = kl_sequences, kl_source
-        self.heal, self.heal_key, self.heal_in_search = heal, heal_key, heal_in_search
-        self.baseline = self.with_text_kl(work.evaluate(enc, None, "unablated"), None)
+    """The search's evaluator (search.prefixes.PointEvaluator): the unablated baseline, the budget, each head set's
+    evaluation as it would ship, and what its export saves."""
+
+    def __init__(self, work: Work, planner: Planner, enc: EncodedTask, setup: VerifierSetup, baseline: EvalResult):
+        self.work, self.planner, self.enc, self.setup = work, planner, enc, setup
+        self.budget, self.layout, self.baseline = setup.budget, setup.layout, baseline
         # Early stop: a point is evaluated in blocks of subjects and dropped as soon as its CI puts it over budget.
-        use_blocks = early_stop_blocks > 1 and budget.metric != "kl-text" and not heal_in_search
-        self.blocks = split_blocks(enc, early_stop_blocks) if use_blocks else []
+        use_blocks = setup.early_stop_blocks > 1 and self.budget.metric != "kl-text" and not setup.heal_in_search
+        self.blocks = split_blocks(enc, setup.early_stop_blocks) if use_blocks else []
+
+    @classmethod
+    def measured(cls, work: Work, planner: Planner, enc: EncodedTask, setup: VerifierSetup) -> "Verifier":
+        """A verifier with its baseline: the unablated model on the task (and the held-out texts), cached."""
+        baseline = with_text_kl(work, setup.kl_text, work.evaluate(enc, None, "unablated"), None)
+        return cls(work, planner, enc, setup, baseline)
+
+    @property
+    def kl_text(self) -> HeldOutText | None:
+        return self.setup.kl_text
+
+    @property
+    def heal_in_search(self) -> bool:
+        return self.setup.heal_in_search
+
+    def savings(self, heads: HeadSet) -> dict:
+        """What the export of ``heads`` saves under this run's layout."""
+        return self.planner.savings(heads, self.layout)
 
     @property
     def lm(self) -> LoadedModel:
@@ -45,33 +85,43 @@ class Verifier:
             return heads
         return self.planner.choose(heads, layout or self.layout).plan
 
-    def with_text_kl(self, result: EvalResult, target) -> EvalResult:
-        if self.kl_sequences is not None:
-            kls = self.work.text_kls(self.kl_sequences, target).double()
-            result.meta["kl_text"] = float(kls.mean())
-            result.meta["kl_text_se"] = float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
-            result.meta["kl_text_cv"] = coefficient_of_variation(kls)
-        return result
-
     def evaluate(self, heads: HeadSet, label: str) -> EvalResult:
-        """The task without ``heads``, as it would ship (healed with --heal-in-search)."""
+        """The task without ``heads``, as it would ship (healed with --heal-in-search), dropped early once its CI
+        puts it over budget."""
         if self.heal_in_search and heads:
             return self.evaluate_healed(heads, label)
-        return self._blockwise(heads, label, lambda part, base: decided_over_budget(self.budget, part, base))
+        return self._blockwise(heads, label, early_stop=True)
 
     def evaluate_complete(self, heads: HeadSet, label: str) -> EvalResult:
         """Like ``evaluate`` on every question (never stopped early), through the same cache entries, so a later
         ``evaluate`` of the same heads reuses it."""
-        return self._blockwise(heads, label, lambda *_: False)
+        return self._blockwise(heads, label, early_stop=False)
 
-    def _blockwise(self, heads: HeadSet, label: str, stop) -> EvalResult:
-        """The ablation of ``heads`` block by block, stopping once ``stop(partial, baseline part)`` says the point is
-        decided (one pass without early-stop blocks), with the text KL when it is measured."""
+    def _blockwise(self, heads: HeadSet, label: str, early_stop: bool) -> EvalResult:
+        """The ablation of ``heads`` block by block (each block cached on its own), stopping once the questions so
+        far decide the point over budget (one pass without early-stop blocks), with the text KL when measured."""
         target = self.target(heads)
         if len(self.blocks) > 1 and heads:
-            result = self.work.evaluate_sequential(self.blocks, target, label, self.baseline, stop)
-            return self.with_text_kl(result, target)
-        return self.with_text_kl(self.work.evaluate(self.enc, target, label), target)
+            result = self._sequential(target, label, early_stop)
+            return with_text_kl(self.work, self.kl_text, result, target)
+        return with_text_kl(self.work, self.kl_text, self.work.evaluate(self.enc, target, label), target)
+
+    def _sequential(self, target, label: str, early_stop: bool) -> EvalResult:
+        """The questions evaluated so far, in block order, with ``meta["stopped_early"]`` when a block decided the
+        point over budget; the full result in the baseline's order when every block ran."""
+        done: list[EvalResult] = []
+        for b, block in enumerate(self.blocks):
+            done.append(self.work.evaluate(block, target, f"{label} [{b + 1}/{len(self.blocks)}]"))
+            width = max(r.loglik.shape[1] for r in done)
+            partial = EvalResult([q for r in done for q in r.questions], torch.cat(
+                [torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[1]), value=float("-inf")) for r in done]),
+                label)
+            if b + 1 == len(self.blocks):
+                return in_order_of(self.baseline, partial)
+            if early_stop and decided_over_budget(self.budget, partial, restricted(self.baseline, partial)):
+                partial.meta.update(stopped_early=True, questions_evaluated=len(partial.questions))
+                return partial
+        raise AssertionError("no blocks")
 
     def evaluate_ablation(self, heads: HeadSet, label: str = "ablated") -> EvalResult:
         """The plain ablation on every question (no healing, no early stop): what the export is compared with."""
@@ -82,16 +132,27 @@ class Verifier:
         if self.heal_in_search or self.blocks or self.lm.arch.qk_norm == "across_heads":
             return [self.evaluate(hs, lab) for hs, lab in zip(sets, labels)]
         results = self.work.evaluate_group(self.enc, sets, labels)
-        return [self.with_text_kl(r, hs) for r, hs in zip(results, sets)]
+        return [with_text_kl(self.work, self.kl_text, r, hs) for r, hs in zip(results, sets)]
 
     def evaluate_healed(self, heads: HeadSet, label: str) -> EvalResult:
         """--heal-in-search: the accuracy of the model that would ship, pruned and healed (cached per plan)."""
-        lm, plan = self.lm, self.planner.choose(heads, self.layout).plan
+        lm, plan, healer = self.lm, self.planner.choose(heads, self.layout).plan, self.setup.healer
+        identity = "healed:" + digest({"plan": plan.to_json(), **healer.key})
+        cached = self.work.cached_model_evaluation(self.enc, identity, f"{label}, healed")
+        if cached is not None:
+            return cached
+        say(f"  healing the pruned model for {label}")
+        healed, _ = healer.heal(pruned_copy(lm.model, lm.arch, plan), plan)
+        model = LoadedModel(healed, lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
+        return self.work.evaluate_model(self.enc, model, identity, f"{label}, healed")
 
-        def build() -> LoadedModel:
-            self.log(f"  healing the pruned model for {label}")
-            healed, _ = self.heal(pruned_copy(lm.model, lm.arch, plan), plan)
-            return LoadedModel(healed, lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
 
-        key = {**self.work.model_key, "model": "healed:" + digest({"plan": plan.to_json(), **self.heal_key})}
-        return self.work.evaluate_built(self.enc, build, key, f"{label}, healed")
+def with_text_kl(work: Work, kl_text: HeldOutText | None, result: EvalResult, target) -> EvalResult:
+    """``result`` with the next-token KL of ``target`` on the held-out texts (mean, standard error, coefficient of
+    variation) in its meta, when they are measured."""
+    if kl_text is not None:
+        kls = work.text_kls(kl_text.sequences, target).double()
+        result.meta["kl_text"] = float(kls.mean())
+        result.meta["kl_text_se"] = float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
+        result.meta["kl_text_cv"] = coefficient_of_variation(kls)
+    return result

@@ -1,0 +1,66 @@
+"""Where a run ends badly, worded for the user: a typed error from the core (UserError, DiskFull) or an interrupt
+becomes one line and an exit code; anything else is a bug, reported in one line with the traceback in a log file.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+
+def interrupted() -> None:
+    from prune_heads.io.files import StagedDirectory
+
+    staged = StagedDirectory.current
+    where = f" in {staged.path}" if staged is not None else ""
+    click.secho(f"interrupted: nothing under the final --out name was touched; finished work is kept{where}; "
+                "rerun the same command to resume", err=True, fg="yellow")
+    sys.exit(130)
+
+
+def written_directory(error: BaseException) -> Path:
+    """The directory a failed write was writing to: the file the error names, else the run's --out."""
+    from prune_heads.io.files import StagedDirectory
+
+    while error is not None:
+        if isinstance(error, OSError) and error.filename:
+            return Path(error.filename).parent
+        error = error.__cause__ or error.__context__
+    staged = StagedDirectory.last
+    return staged.path if staged is not None else Path.cwd()
+
+
+def disk_full(directory: Path, what: str, needed: int | None = None) -> None:
+    """One line: where the disk filled up, what that needed, what is free now that the run's partial files are gone
+    (its finished work stays cached, so the same command resumes)."""
+    from prune_heads.io.diskspace import free_bytes, gib, with_margin
+
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("/"))
+    free = gib(free_bytes(existing))
+    need = (f"it needs about {gib(with_margin(needed))}" if needed else "it needs more") + f", {free} are free now"
+    click.secho(f"error: the disk holding {directory} filled up while writing {what}; {need} (this run's partial "
+                "files were removed, its finished work is kept); free some space and rerun the same command to resume",
+                err=True, fg="red")
+    sys.exit(2)
+
+
+def terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: through the same clean-up path
+
+
+def unexpected(error: BaseException) -> None:
+    """A bug or an unforeseen failure: one line naming it, the traceback in a log file, exit code 1."""
+    import tempfile
+    import traceback
+
+    fd, log = tempfile.mkstemp(prefix="prune-heads-", suffix=".log")
+    with open(fd, "w") as f:
+        traceback.print_exception(type(error), error, error.__traceback__, file=f)
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    if getattr(sys.stderr, "name", "") == os.devnull:  # a rank other than 0 prints nothing else, but its failure
+        sys.stderr = sys.__stderr__
+    click.secho(f"error: unexpected failure ({type(error).__name__}: {first}); the traceback is in {log}; "
+                "please report it", err=True, fg="red")
+    sys.exit(1)
