@@ -31,6 +31,7 @@ from prune_heads.pipeline.stages import (
     describe,
     full_task_size,
     open_run,
+    ranked,
     resolution_of,
     say_resolution,
     score,
@@ -79,19 +80,20 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
     with staged or contextlib.nullcontext():
         run = open_run(settings, inputs, staged, ranks=ranks)
         say(describe(run))
-        run, resolution = sized_to_budget(run)
+        run, resolution = sized_to_budget(run)  # from here on run.settings (with --mmlu-per-subject auto: sized)
         scored = score(run)
         verifier = verifier_for(run)
-        resolution = resolution or resolution_of(run, scored, verifier)
+        ranking = ranked(run, scored, verifier)
+        resolution = resolution or resolution_of(run, ranking, verifier)
         warnings = [worded(w) for w in _say_baseline(run, verifier, resolution)]
-        selection, confirmation = confirmed(run, verifier, select(run, scored, verifier))
+        selection, confirmation = confirmed(run, verifier, select(run, ranking, scored, verifier))
         confirmation = worded_json(confirmation)
         if not ranks.root:
             return None  # this rank's share is done: the decision is made, rank 0 writes it
         run.work.finish_alone()
         _say_selection(run, selection)
         write_json(run.stage / "heads.json", selection.heads.to_json())
-        export = _export(run, verifier, selection, warnings, confirmation) if settings.export else None
+        export = _export(run, verifier, selection, warnings, confirmation) if run.settings.export else None
         report = _report(run, scored, verifier, selection, warnings, confirmation, resolution, export)
         # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
         # never sit beside the reloaded weights, the run's memory peak.
@@ -245,9 +247,7 @@ def run_export(settings: Settings, inputs: Inputs, heads: HeadSet, out: Path, fo
     identity = run_identity("export", settings, inputs, heads=heads.to_json(), with_task=with_task)
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged, encode=with_task)
-        geometries = run.lm.arch.geometries(run.lm.model)
-        heads.validate(len(geometries), [g.num_heads for g in geometries])
-        check, warnings = None, []
+        check, warnings = None, []  # heads are checked against the config before loading, and by export_pruned
         if with_task:
             setup = VerifierSetup(settings.budget, settings.layout)
             verifier = Verifier.measured(run.work, run.planner, run.enc, setup)

@@ -4,8 +4,9 @@
     sized_to_budget  Run -> (Run, Resolution): --mmlu-per-subject auto re-sizes the run from a pilot ablation
     score            Run -> Scored (ScoreTable + where the calibration came from; scoring/, cached)
     verifier_for     Run -> Verifier (search/verifier.py: the baseline, and each head set evaluated as it would ship)
-    resolution_of    Run, Scored, Verifier -> Resolution (what the question count resolves at the budget's edge)
-    select           Run, Scored, Verifier -> Selection (search/selection.py: the budget search)
+    ranked           Run, Scored, Verifier -> UnitRanking (search/units.py: the removal units, most dormant first)
+    resolution_of    Run, UnitRanking, Verifier -> Resolution (what the question count resolves at the budget's edge)
+    select           Run, UnitRanking, Scored, Verifier -> Selection (search/selection.py: the budget search)
     confirmed        Run, Verifier, Selection -> (Selection, confirmation record) on unseen questions
 
 Commands (``prune_heads_cli/commands.py``) chain these, hand the chosen heads to an exporter (``exporters``) and
@@ -44,7 +45,8 @@ from prune_heads.plan.planner import Planner, planner_for
 from prune_heads.search.confirmation import ConfirmationQuestions, confirm
 from prune_heads.search.prefixes import SearchOptions
 from prune_heads.search.resolution import Resolution, per_subject_for
-from prune_heads.search.selection import Selection, SelectionOptions, predict_resolution, select_heads
+from prune_heads.search.selection import Selection, SelectionOptions, predict_resolution, select_heads, unit_ranking
+from prune_heads.search.units import UnitRanking
 from prune_heads.search.verifier import HeldOutText, Verifier, VerifierSetup
 
 
@@ -183,18 +185,25 @@ def sized_to_budget(run: Run) -> tuple[Run, Resolution | None]:
     the same). Otherwise the run as it is, and no resolution yet."""
     if not run.settings.size_questions:
         return run, None
-    resolution = resolution_of(run, score(run), verifier_for(run))
+    scored = score(run)
+    verifier = verifier_for(run)
+    resolution = resolution_of(run, ranked(run, scored, verifier), verifier)
     return sized(run, resolution) if resolution else (run, None)
 
 
-def resolution_of(run: Run, scored: Scored, verifier: Verifier) -> Resolution | None:
-    """What the run's question count resolves at the budget's edge, from a pilot ablation (cached: the search
-    reuses it)."""
-    return predict_resolution(scored.table, verifier, selection_options(run.settings))
+def ranked(run: Run, scored: Scored, verifier: Verifier) -> UnitRanking:
+    """The removal units, most dormant first by the run's scorer."""
+    return unit_ranking(scored.table, verifier, selection_options(run.settings))
 
 
-def select(run: Run, scored: Scored, verifier: Verifier) -> Selection:
-    return select_heads(scored.table, verifier, selection_options(run.settings))
+def resolution_of(run: Run, ranking: UnitRanking, verifier: Verifier) -> Resolution | None:
+    """What the run's question count resolves at the budget's edge, from a pilot ablation of the ranking's first grid
+    point (cached: the search reuses it)."""
+    return predict_resolution(ranking, verifier, run.settings.grid)
+
+
+def select(run: Run, ranking: UnitRanking, scored: Scored, verifier: Verifier) -> Selection:
+    return select_heads(ranking, scored.table, verifier, selection_options(run.settings))
 
 
 def confirmed(run: Run, verifier: Verifier, selection: Selection) -> tuple[Selection, dict]:

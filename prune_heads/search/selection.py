@@ -55,13 +55,12 @@ def unit_ranking(scores: ScoreTable, verifier: Verifier, options: SelectionOptio
     return UnitRanking(units, total)
 
 
-def predict_resolution(scores: ScoreTable, verifier: Verifier, options: SelectionOptions) -> Resolution | None:
+def predict_resolution(ranking: UnitRanking, verifier: Verifier, grid: tuple[float, ...]) -> Resolution | None:
     """Before the search: its first grid point, evaluated on every question as a pilot (cached, so the search reuses
     it), gives the half-width a point at the budget's edge will have (resolution.py). None with --heal-in-search."""
-    ranking = unit_ranking(scores, verifier, options)
     if verifier.heal_in_search or not len(ranking):
         return None
-    heads = ranking.heads(ranking.prefix_for_fraction(min(options.search.grid)))
+    heads = ranking.heads(ranking.prefix_for_fraction(min(grid)))
     pilot = verifier.evaluate_complete(heads, f"pilot: {len(heads)}/{ranking.total_heads} heads off")
     in_texts = verifier.budget.metric == "kl-text"
     n = len(verifier.kl_text.sequences) if in_texts else len(verifier.baseline.questions)
@@ -69,10 +68,10 @@ def predict_resolution(scores: ScoreTable, verifier: Verifier, options: Selectio
                    f"a pilot ablation of {len(heads)} heads, the search's first point")
 
 
-def select_heads(scores: ScoreTable, verifier: Verifier, options: SelectionOptions) -> Selection:
-    """The passing prefix of the unit ranking that maximises the objective in the model that ships (then balanced
-    with --units heads --gqa balanced)."""
-    ranking = unit_ranking(scores, verifier, options)
+def select_heads(ranking: UnitRanking, scores: ScoreTable, verifier: Verifier,
+                 options: SelectionOptions) -> Selection:
+    """The passing prefix of ``ranking`` (unit_ranking) that maximises the objective in the model that ships (then
+    balanced with --units heads --gqa balanced by ``scores``)."""
     search = search_budget(ranking, verifier, options.search)
     best = search.best
     selection = Selection(best.heads, best.result, best.delta, search, ranking.total_heads, best.savings)
