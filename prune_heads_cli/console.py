@@ -4,7 +4,6 @@
 on a terminal (click strips it elsewhere)."""
 from __future__ import annotations
 
-import functools
 import logging
 import re
 
@@ -12,14 +11,13 @@ import click
 
 from prune_heads.console import LOG
 
+_FLAGS: dict[str, str] = {}  # parameter name -> flag, from the command table (learn_flags)
 
-@functools.cache
-def _flags() -> dict[str, str]:
-    """Parameter name -> flag, from every command's options (a secondary flag such as --no-confirm under its own
-    name, no_confirm)."""
-    from prune_heads_cli.main import cli
 
-    flags: dict[str, str] = {}
+def learn_flags(cli: click.Group) -> None:
+    """Read every command's options (a secondary flag such as --no-confirm under its own name, no_confirm); the
+    command table calls this once it is defined."""
+    flags = _FLAGS
     commands = [cli, *cli.commands.values()]
     for command in commands:
         for p in command.params:
@@ -29,12 +27,11 @@ def _flags() -> dict[str, str]:
                     flags.setdefault(p.name, long[0])
                 for o in p.secondary_opts:
                     flags.setdefault(o[2:].replace("-", "_"), o)
-    return flags
 
 
 def worded(text: str) -> str:
     """``text`` with every option the core names in backticks as this command line's flag."""
-    flags = _flags()
+    flags = _FLAGS
     return re.sub(r"`([a-z_][a-z0-9_]*)`", lambda m: flags.get(m.group(1), m.group(0)), text)
 
 

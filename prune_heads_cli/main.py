@@ -17,7 +17,7 @@ import click
 from prune_heads.errors import DiskFull, UserError, is_disk_full
 from prune_heads.heads import SCORE_KEYS
 from prune_heads.search.budget import METRIC_CHOICES
-from prune_heads_cli.console import show_core_messages, worded
+from prune_heads_cli.console import learn_flags, show_core_messages, worded
 from prune_heads_cli.edge import disk_full, interrupted, terminate, unexpected, written_directory
 from prune_heads_cli.memory import install_policy
 from prune_heads_cli.options import as_rank, check_heads, common_options, csv_list, export_options, load_heads, prepare
@@ -233,6 +233,9 @@ def adapt(adapter_dir, pruned, out, force):
 
 
 
+
+
+learn_flags(cli)  # the console words the core's option names as these flags
 
 
 def main(argv: list[str] | None = None) -> None:
