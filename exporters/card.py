@@ -67,6 +67,48 @@ def _summary_table(meta: dict) -> list[str]:
     return lines
 
 
+PROBE_WORDS = {
+    "passkey": "a 5-digit key hidden in filler text at depths spread over the prompt, read back greedily",
+    "copy": "a random token sequence repeated: the share of the repeat predicted token by token",
+    "text": "your documents (--guard-texts): next-token KL from the original on the last quarter of each",
+}
+
+
+def _probe_row(probe: str, length: str, r: dict) -> str:
+    if r["unit"] == "nat":
+        original, pruned = "0 (reference)", f"KL {r['pruned']:.4f} nat"
+    else:
+        original, pruned = _pct(r["original"]), _pct(r["pruned"])
+    return (f"| {probe} | {length} | {r['prompts']} | {original} | {pruned} | {r['change']:+.3g} {r['unit']} "
+            f"[{r['ci_low']:+.3g}, {r['ci_high']:+.3g}] | {r['tolerance']:g} {r['unit']} |")
+
+
+def _long_context(meta: dict) -> list[str]:
+    """The long-context guard's table: each probe, original against this model, per length."""
+    g = meta.get("long_context")
+    if not g:
+        return []
+    lines = ["## Long context", ""]
+    if not g.get("enabled"):
+        return lines + ["Not checked: the long-context guard was off (`--no-guard`). MMLU-style budgets do not see "
+                        "heads that retrieve or copy from far back in a long context.", ""]
+    chosen = g.get("chosen")
+    if not chosen:
+        return lines + ["Nothing was removed (no point of the search both confirmed and kept every long-context probe "
+                        "within its tolerance), so the probes have nothing to compare.", ""]
+    when = " before healing" if g.get("before_healing") else ""
+    lines += [f"Long-context probes built from the tokenizer, each prompt paired with itself on the original "
+              f"({g['rule']} rule: the " + ("mean" if g["rule"] == "point" else "95% interval's upper end")
+              + f" change must stay within the tolerance), measured on the verified ablation{when}, which the export "
+              "equals (logit check above):", ""]
+    lines += [f"- **{name}**: {PROBE_WORDS[name]}" for name in chosen["per_length"]]
+    lines += ["", "| probe | tokens | prompts | original | this model | lost (text: KL) [95% CI] | tolerance |",
+              "|---|---|---|---|---|---|---|"]
+    for probe, rows in chosen["per_length"].items():
+        lines += [_probe_row(probe, n, r) for n, r in rows.items()]
+    return lines + [""]
+
+
 def _gguf_section(meta: dict) -> list[str]:
     g = meta.get("gguf")
     if not g:
@@ -152,6 +194,7 @@ def model_card(meta: dict) -> str:
     for w in meta.get("warnings", []):
         lines += [f"> **Warning:** {w}", ""]
     lines += _how_to_load(meta)
+    lines += _long_context(meta)
     lines += ["## Verification", "",
               ("Reloaded from these files in the same run" if v.get("reloaded", True)
                else "The pruned model, in memory") + ": max |logit difference| against "

@@ -90,6 +90,7 @@ def build_manifest(lm: LoadedModel, heads: HeadSet, choice: LayoutChoice, found:
         "healing": found.get("healing"),
         "warnings": info.get("warnings", []),
         "confirmation": info.get("confirmation"),
+        "long_context": info.get("long_context"),  # the long-context guard: probes original vs pruned, per length
         "dtype": str(lm.dtype).replace("torch.", ""),
     }
 

@@ -30,6 +30,7 @@ from prune_heads.pipeline.stages import (
     confirmed,
     describe,
     full_task_size,
+    guard_for,
     open_run,
     ranked,
     resolution_of,
@@ -86,15 +87,17 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
         ranking = ranked(run, scored, verifier)
         resolution = resolution or resolution_of(run, ranking, verifier)
         warnings = [worded(w) for w in _say_baseline(run, verifier, resolution)]
-        selection, confirmation = confirmed(run, verifier, select(run, ranking, scored, verifier))
-        confirmation = worded_json(confirmation)
+        guard = guard_for(run)
+        selection, confirmation, guarded = confirmed(run, verifier, select(run, ranking, scored, verifier), guard)
+        confirmation, guarded = worded_json(confirmation), worded_json(guarded)
         if not ranks.root:
             return None  # this rank's share is done: the decision is made, rank 0 writes it
         run.work.finish_alone()
         _say_selection(run, selection)
         write_json(run.stage / "heads.json", selection.heads.to_json())
-        export = _export(run, verifier, selection, warnings, confirmation) if run.settings.export else None
+        export = _export(run, verifier, selection, warnings, confirmation, guarded) if run.settings.export else None
         report = _report(run, scored, verifier, selection, warnings, confirmation, resolution, export)
+        report["guard"] = guarded
         # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
         # never sit beside the reloaded weights, the run's memory peak.
         _plot_selection(run, scored.table, selection, report, verifier.baseline)
@@ -184,13 +187,15 @@ class ShippedExport:
 
 
 def _export(run: Run, verifier: Verifier, selection: Selection, warnings: list[str],
-            confirmation: dict) -> ShippedExport:
+            confirmation: dict, guarded: dict) -> ShippedExport:
     """The chosen heads, physically removed, written, reloaded and re-verified (with --adapter: the base is
     checked on logits and the sliced adapter on the task)."""
     s = run.settings
     info = {"scorer": s.scorer, "budget": s.budget.text, "warnings": warnings,
             "budget_definition": budget_definition(s.budget, s.task), "task": s.task,
-            "confirmation": {k: v for k, v in confirmation.items() if k != "question_ids"}}
+            "confirmation": {k: v for k, v in confirmation.items() if k != "question_ids"},
+            "long_context": {**{k: v for k, v in guarded.items() if k != "points"},
+                             **({"before_healing": True} if s.heal_steps else {})}}
     if s.lora_adapter:
         result = export_pruned(run.base, selection.heads, run.stage, _options(s, run, shipping=False), info=info,
                                planner=run.planner)

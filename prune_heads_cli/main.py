@@ -25,7 +25,7 @@ from prune_heads_cli.options import as_rank, check_heads, common_options, csv_li
 # The main command's own flags, passed to Settings under their names (--no-export and --adapter are renamed).
 MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "units",
               "objective", "decision", "confirm", "confirm_fraction", "gqa", "heal_steps", "heal_data",
-              "heal_in_search")
+              "heal_in_search", "guard_texts", "probe_max_length", "calibrate_probes")
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,6 +50,16 @@ MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_
               "curve while it fails the budget.")
 @click.option("--confirm-fraction", type=float, help="When the search uses every question: the share of each "
               "subject's questions held out of the search to confirm on (e.g. 0.3; default 0, no confirmation then).")
+@click.option("--guard", metavar="PROBES", help="Long-context probes every accepted point must keep within the "
+              "recipe's tolerance of the unablated model, comma-separated: passkey (retrieve a 5-digit key from "
+              "filler), copy (repeat a random token sequence), text (your --guard-texts). Default: passkey,copy.")
+@click.option("--no-guard", is_flag=True, help="Turn the long-context guard off (the report says so).")
+@click.option("--guard-texts", type=click.Path(dir_okay=False), help="Your own long documents (JSONL 'text' or one "
+              "per line): the guard also bounds the next-token KL on the last quarter of each.")
+@click.option("--probe-max-length", type=click.IntRange(min=64), help="No long-context probe longer than this many "
+              "tokens (default: the recipe's lengths, within the model's context).")
+@click.option("--calibrate-probes", is_flag=True, default=None, help="Score heads on the probes' prompts too, so "
+              "heads active only on long contexts are not ranked dormant.")
 @click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
               help="With --units heads: exact keeps the selection and copies KV heads so groups stay equal; balanced "
                    "removes the same number of heads from every KV group (re-verified against the budget).")
@@ -92,6 +102,7 @@ def cli(ctx: click.Context, **kw):
     if private and not push_to:
         raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
     main_flags = {name: kw.pop(name) for name in MAIN_FLAGS}
+    main_flags["guard"] = guard_flag(kw.pop("guard"), kw.pop("no_guard"))
     main_flags.update(export=not kw.pop("no_export"), lora_adapter=kw.pop("adapter"))
     settings, inputs = prepare(kw, True, **main_flags)
     ranks = launched_ranks()
@@ -102,6 +113,13 @@ def cli(ctx: click.Context, **kw):
     leave(ranks)
 
 
+
+
+def guard_flag(guard: str | None, no_guard: bool) -> tuple[str, ...] | None:
+    """--guard's probes, () for --no-guard, None for the recipe's."""
+    if guard and no_guard:
+        raise UserError("--guard and --no-guard contradict each other; pass one")
+    return () if no_guard else tuple(csv_list(guard, "guard")) if guard else None
 
 
 @cli.command()

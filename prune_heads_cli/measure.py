@@ -7,11 +7,11 @@ from pathlib import Path
 
 from prune_heads.console import say
 from prune_heads.data.tasks import task_format
-from prune_heads.eval.encoding import encode
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
 from prune_heads.eval.work import Work
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable
 from prune_heads.io.files import StagedDirectory, write_json, write_text
+from prune_heads.models.tokens import encode
 from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_text_sequences, round_robin
 from prune_heads.pipeline.settings import Settings
 from prune_heads.pipeline.stages import Run, load, open_run, score, warn_chance

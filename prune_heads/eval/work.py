@@ -9,8 +9,10 @@ import itertools
 import torch
 
 from prune_heads.console import say
+from prune_heads.data.probes import ProbeSet
 from prune_heads.eval.encoding import EncodedTask, task_span
 from prune_heads.eval.passes import evaluate, evaluate_many
+from prune_heads.eval.probes import METRIC_FIELDS, ProbeResult, probe_pass
 from prune_heads.eval.results import EvalResult
 from prune_heads.eval.textkl import next_token_kl
 from prune_heads.heads import HeadSet, ScoreTable
@@ -96,6 +98,19 @@ class Work:
             hit = {"kl": self._kl_shared(sequences, target)}
             self.cache.put("kltext", key, hit)
         return hit["kl"]
+
+    def probe(self, probe: ProbeSet, target, label: str = "") -> ProbeResult:
+        """A long-context probe with ``target`` ablated (None: unablated), cached like evaluations. Every rank reads
+        every item (probes are a few dozen prompts)."""
+        key = {**self.model_key, "what": "probe", "probe": probe.name, "metric": probe.metric,
+               "tokens": tokens_digest([list(it.ids) + [it.target, it.length] for it in probe.items]),
+               "ablation": self._ablation_key(target)}
+        hit = self._get("probe", key)
+        if hit is None:
+            result = probe_pass(self.lm, probe, target, self.progress, label)
+            self.cache.put("probe", key, result.to_tensors())
+            return result
+        return ProbeResult(probe, *(hit[f] for f in METRIC_FIELDS))
 
     def evaluate_group(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
         """Several static head sets at once (evaluate_many); cached per set like ``evaluate``."""

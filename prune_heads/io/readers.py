@@ -153,6 +153,17 @@ def _per_device(inner):
     return inner | dict[Literal["cpu", "gpu"], inner] | None
 
 
+_Probe = Literal["passkey", "copy", "text"]
+
+
+class _Guard(_Strict):
+    probes: list[_Probe] | None = None
+    lengths: _per_device(Annotated[list[Annotated[StrictInt, Field(ge=64)]], Field(min_length=1)]) = None
+    prompts: dict[_Probe, PositiveInt] | None = None
+    tolerance: dict[_Probe, StrictStr | Annotated[Number, Field(ge=0)]] | None = None
+    calibrate: StrictBool | None = None
+
+
 class RecipeSchema(_Strict):
     """What a recipe may say; a recipe that leaves a key out falls back to default.yaml."""
 
@@ -173,6 +184,7 @@ class RecipeSchema(_Strict):
     search: _Search | None = None
     study: dict[StrictStr, Any] | None = None
     heal: _Heal | None = None
+    guard: _Guard | None = None
 
 
 def checked(data: Any, schema: type[BaseModel], path: str | Path, what: str, expected: str) -> dict:

@@ -14,8 +14,9 @@ from prune_heads.data.calibration import load_calibration
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from prune_heads.errors import UserError
-from prune_heads.eval.encoding import EncodedTask, encode
+from prune_heads.eval.encoding import EncodedTask
 from prune_heads.models.loading import LoadedModel, ModelSource, load_config, resolve_source
+from prune_heads.models.tokens import encode
 from prune_heads.pipeline.settings import Settings
 
 
@@ -32,6 +33,7 @@ class Inputs:
     paths: tuple[str, ...] = ()  # every local file or directory the run reads (an --out must never touch them)
     confirmation: TaskData | None = None  # questions the search never sees, to confirm the chosen point on
     confirmation_source: str | None = None  # where they come from (or why there are none)
+    guard_texts: list[str] | None = None  # --guard-texts documents (the long-context guard's probe text)
 
 
 def load_questions(settings: Settings) -> tuple[TaskData, TaskData]:
@@ -71,9 +73,11 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
     kl_text = (load_calibration(settings.kl_text, settings.kl_text_size, "held-out text file")
                if settings.kl_text else None)
     heal_text = load_calibration(settings.heal_data, what="healing text file") if settings.heal_data else None
+    guard_texts = (load_calibration(settings.guard_texts, what="guard text file")
+                   if settings.guard_texts and settings.guard else None)
     questions, confirmation, why = confirmation_questions(settings, questions, full)
     return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text, input_paths(settings, source),
-                  confirmation, why)
+                  confirmation, why, guard_texts)
 
 
 def confirmation_questions(settings: Settings, questions: TaskData,
@@ -101,7 +105,8 @@ def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
     the adapter."""
     model = [] if source.kind == "hub" else [str(Path(source.path) / source.gguf_file) if source.gguf_file
                                              else source.path]
-    files = [settings.calibration, settings.kl_text, settings.heal_data, settings.task_data, settings.lora_adapter]
+    files = [settings.calibration, settings.kl_text, settings.heal_data, settings.task_data, settings.lora_adapter,
+             settings.guard_texts]
     if settings.mmlu and Path(settings.mmlu).exists():
         files.append(settings.mmlu)
     return tuple(model + [f for f in files if f])

@@ -30,6 +30,7 @@ KEYS = {
     "search",
     "study",
     "heal",
+    "guard",
 }
 PER_DEVICE_KEYS = ("mmlu_per_subject", "mmlu_subjects", "task_limit", "batch_size")
 

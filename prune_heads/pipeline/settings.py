@@ -77,6 +77,13 @@ class Settings:
     heal_in_search: bool = False  # judge every search point by its healed accuracy (costs a healing run per point)
     seed: int = 0
     heal: dict = field(default_factory=dict)  # recipe's LoRA settings: rank, alpha, learning_rate, batch_size, ...
+    guard: tuple[str, ...] = ("passkey", "copy")  # long-context probes an accepted point must keep (): --no-guard
+    guard_texts: str | None = None  # --guard-texts FILE: the user's long documents (the probe "text")
+    probe_lengths: tuple[int, ...] = (512, 2048)  # the probes' lengths in tokens (the recipe's, for this device)
+    probe_max_length: int | None = None  # --probe-max-length: no probe longer (the model's context caps them too)
+    probe_prompts: tuple[tuple[str, int], ...] = (("passkey", 8), ("copy", 2), ("text", 16))  # per probe and length
+    guard_tolerance: tuple[tuple[str, float], ...] = (("passkey", 5.0), ("copy", 5.0), ("text", 0.05))
+    calibrate_probes: bool = False  # score on the probes' prompts too (beside the calibration sequences)
 
     @property
     def metric(self) -> str:
@@ -105,10 +112,48 @@ def _recipe_values(rec: Recipe, device_type: str) -> dict:
     if isinstance(parallel, dict):
         parallel = parallel.get("gpu" if device_type == "cuda" else "cpu", 1)
     values["heal"] = dict(rec.values.get("heal") or {})
+    values.update(_guard_values(rec, device_type))
     values.update(grid=tuple(search.get("grid", DEFAULT_GRID)), patience=search.get("patience", 2),
                   refine_steps=search.get("refine_steps", 3), parallel=int(parallel or 1),
                   early_stop_blocks=int(search.get("early_stop_blocks", 4) or 1))
     return values
+
+
+def _guard_values(rec: Recipe, device_type: str) -> dict:
+    """The recipe's ``guard`` block (checked by its schema) as settings: probes, lengths (per device), prompts,
+    tolerances, calibration."""
+    from prune_heads.search.guard import parse_tolerance
+
+    block = rec.values.get("guard") or {}
+    lengths = block.get("lengths", [512, 2048])
+    if isinstance(lengths, dict):
+        lengths = lengths.get("gpu" if device_type == "cuda" else "cpu") or Settings.probe_lengths
+    prompts = {**dict(Settings.probe_prompts), **(block.get("prompts") or {})}
+    tolerance = {**dict(Settings.guard_tolerance), **(block.get("tolerance") or {})}
+    return {"guard": tuple(block.get("probes", Settings.guard) or ()),
+            "probe_lengths": tuple(sorted(set(lengths))), "probe_prompts": tuple(prompts.items()),
+            "guard_tolerance": tuple((k, parse_tolerance(k, v)) for k, v in tolerance.items()),
+            "calibrate_probes": bool(block.get("calibrate", False))}
+
+
+def _check_guard(values: dict) -> None:
+    """--guard names known probes, --guard-texts goes with the probe text, --probe-max-length is a length."""
+    from prune_heads.data.probes import PROBES
+
+    guard = values["guard"] = tuple(values.get("guard") or ())
+    unknown = [g for g in guard if g not in PROBES]
+    if unknown:
+        raise UserError(f"`guard` {','.join(unknown)} is not a long-context probe; choose from {', '.join(PROBES)} "
+                        "(comma-separated), or `no_guard`")
+    if values.get("guard_texts") and not guard:
+        raise UserError("`guard_texts` feeds the long-context guard, which is off; drop `no_guard`")
+    if values.get("guard_texts") and "text" not in guard:
+        values["guard"] = guard + ("text",)
+    if "text" in values["guard"] and not values.get("guard_texts"):
+        raise UserError("the guard's probe text reads your own long documents; pass them with `guard_texts` FILE")
+    cap = values.get("probe_max_length")
+    if cap is not None and (not isinstance(cap, int) or cap < 64):
+        raise UserError(f"`probe_max_length` {cap!r} is too short for a long-context probe; give at least 64 tokens")
 
 
 def _task(values: dict, flags: dict) -> str:
@@ -210,6 +255,7 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
         raise UserError(f"`decision` {values['decision']!r} is not one of point, confident")
     budget = dataclasses.replace(budget, rule=values.get("decision", "point"))
     _refuse_conflicts({**values, "budget_metric": budget.metric})
+    _check_guard(values)
     if not 0 <= float(values.get("confirm_fraction") or 0) < 1:
         raise UserError(f"`confirm_fraction` {values['confirm_fraction']!r} must lie in [0, 1); 0.3 holds out 30% "
                         "of each subject's questions")

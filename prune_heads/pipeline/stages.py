@@ -7,7 +7,9 @@
     ranked           Run, Scored, Verifier -> UnitRanking (search/units.py: the removal units, most dormant first)
     resolution_of    Run, UnitRanking, Verifier -> Resolution (what the question count resolves at the budget's edge)
     select           Run, UnitRanking, Scored, Verifier -> Selection (search/selection.py: the budget search)
-    confirmed        Run, Verifier, Selection -> (Selection, confirmation record) on unseen questions
+    guard_for        Run -> Guard | None (search/guard.py: the long-context probes, measured unablated; cached)
+    confirmed        Run, Verifier, Selection, Guard -> (Selection, confirmation record, guard record): the chosen
+                     point confirmed on unseen questions and kept within the probes' tolerance, else stepped back
 
 Commands (``prune_heads_cli/commands.py``) chain these, hand the chosen heads to an exporter (``exporters``) and
 assemble the report from the results (report/report.py).
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from prune_heads.console import say, warn
+from prune_heads.data.probes import ProbeOptions, ProbeSet, build_probes, probe_lengths
 from prune_heads.eval.encoding import EncodedTask, encode_task
 from prune_heads.eval.results import EvalResult, chance_warning
 from prune_heads.eval.work import Work
@@ -43,6 +46,7 @@ from prune_heads.pipeline.settings import Settings
 from prune_heads.plan.healing import HealConfig, Healer
 from prune_heads.plan.planner import Planner, planner_for
 from prune_heads.search.confirmation import ConfirmationQuestions, confirm
+from prune_heads.search.guard import Guard, GuardSetup
 from prune_heads.search.prefixes import SearchOptions
 from prune_heads.search.resolution import Resolution, per_subject_for
 from prune_heads.search.selection import Selection, SelectionOptions, predict_resolution, select_heads, unit_ranking
@@ -122,6 +126,10 @@ def describe(run: Run) -> str:
 def score(run: Run) -> Scored:
     """Every score function on every head over the calibration sequences."""
     seqs, source = calibration_sequences(run.lm, run.settings, run.inputs, run.enc)
+    if run.settings.calibrate_probes:  # prompts like the guard's, never its own (another seed)
+        probes = probes_for(run, ("passkey", "copy"), seed=run.settings.seed + 1)
+        seqs = seqs + [list(it.ids) for p in probes for it in p.items]
+        source += " + " + ", ".join(f"{len(p.items)} {p.name} probe prompts" for p in probes)
     return Scored(run.work.scores(seqs), source)
 
 
@@ -206,9 +214,31 @@ def select(run: Run, ranking: UnitRanking, scored: Scored, verifier: Verifier) -
     return select_heads(ranking, scored.table, verifier, selection_options(run.settings))
 
 
-def confirmed(run: Run, verifier: Verifier, selection: Selection) -> tuple[Selection, dict]:
+def probes_for(run: Run, names: tuple[str, ...], seed: int | None = None) -> tuple[ProbeSet, ...]:
+    """The long-context probes ``names`` at the recipe's lengths, fitted to the model's context and
+    `probe_max_length`."""
+    s = run.settings
+    context = getattr(run.lm.config.get_text_config(), "max_position_embeddings", None)
+    lengths = probe_lengths(s.probe_lengths, context, s.probe_max_length)
+    options = ProbeOptions(names, lengths, s.probe_prompts, s.seed if seed is None else seed)
+    return build_probes(run.lm, options, run.inputs.guard_texts, f"file {s.guard_texts}")
+
+
+def guard_for(run: Run) -> Guard | None:
+    """The long-context guard (None when `no_guard`), with the unablated model's probe results."""
+    s = run.settings
+    if not s.guard:
+        return None
+    setup = GuardSetup(probes_for(run, s.guard), s.guard_tolerance, s.budget.rule)
+    guard = Guard.measured(run.work, setup)
+    for base in guard.baselines:
+        say(f"long-context probe {base.probe.name} unablated: " + base.describe())
+    return guard
+
+
+def confirmed(run: Run, verifier: Verifier, selection: Selection, guard: Guard | None) -> tuple[Selection, dict, dict]:
     questions = ConfirmationQuestions(run.inputs.confirmation, run.inputs.confirmation_source)
-    return confirm(verifier, questions, selection, run.settings.objective)
+    return confirm(verifier, questions, selection, run.settings.objective, guard)
 
 
 def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:

@@ -7,6 +7,9 @@ further questions of the same subjects (``TaskData.unused``), or, with ``--confi
 held out of the search (``TaskData.split``). If it fails the budget (under the run's decision rule), the next passing
 point along the search's own curve is confirmed, and so on; every attempt is recorded. When nothing confirms, nothing
 is removed.
+
+With the long-context guard (guard.py), a point must also keep every long-context probe within its tolerance of the
+unablated model; a point that confirms but fails the guard is refused the same way, and the walk goes on.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from prune_heads.eval.results import accuracy_summary, paired_delta
 from prune_heads.heads import HeadSet
 from prune_heads.plan.planner import objective_value
 from prune_heads.search.budget import judge
+from prune_heads.search.guard import Guard, per_length
 from prune_heads.search.selection import Selection
 from prune_heads.search.verifier import Verifier
 
@@ -37,34 +41,89 @@ def _record(point, delta, kl, agree, ok) -> dict:
             "agreement": round(agree, 6), "within_budget": ok}
 
 
-def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Selection,
-            objective: str) -> tuple[Selection, dict]:
-    """(the confirmed selection, the report's ``confirmation``); the selection is unchanged when confirmation does
-    not apply (no confirmation questions, a next-token-KL budget, healing in the search)."""
-    data, source, work = questions.data, questions.source, verifier.work
-    if data is None or not selection.heads:
-        return selection, {"confirmed": None, "reason": source or "nothing to confirm: no heads were chosen"}
-    enc = encode_task(work.lm, data)
-    baseline = work.evaluate(enc, None, "unablated (confirmation)")
+def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Selection, objective: str,
+            guard: Guard | None = None) -> tuple[Selection, dict, dict]:
+    """(the accepted selection, the report's ``confirmation``, the report's ``guard``). The search's passing points
+    are tried best first: each must confirm on unseen questions (where confirmation applies) and keep every
+    long-context probe within tolerance (with a ``guard``); the first that does is the selection. Unchanged when
+    neither applies (no confirmation questions, a next-token-KL budget, healing in the search; no guard)."""
+    guarded = {**guard.to_json(), "points": []} if guard else {"enabled": False}
+    if not selection.heads:
+        return selection, {"confirmed": None, "reason": questions.source or "nothing to confirm: no heads were "
+                           "chosen"}, guarded
+    confirmer = _Confirmer(verifier, questions) if questions.data is not None else None
+    if confirmer is None and guard is None:
+        return selection, {"confirmed": None, "reason": questions.source}, guarded
+    for point in _candidates(selection, objective, confirmed_first=confirmer is not None):
+        if confirmer is not None and not confirmer.passes(point):
+            continue
+        if guard is not None and not _guarded(guard, verifier, point.heads, guarded):
+            if confirmer is not None:
+                confirmer.report["points"][-1]["refused_by_guard"] = True
+            continue
+        report = confirmer.accept(point) if confirmer else {"confirmed": None, "reason": questions.source}
+        if point is selection:
+            return selection, report, guarded
+        return Selection(point.heads, point.result, point.delta, selection.search, selection.total,
+                         point.savings), report, guarded
+    return _nothing(verifier, selection, confirmer, guard), \
+        (confirmer.report if confirmer else {"confirmed": None, "reason": questions.source}), guarded
+
+
+def _candidates(selection: Selection, objective: str, confirmed_first: bool) -> list:
+    """The search's passing points, best first by the objective; without confirmation the selection itself leads
+    (it was chosen on these questions already)."""
     passing = [p for p in selection.search.points if p.within_budget and p.heads]
     passing.sort(key=lambda p: (objective_value(objective, p), p.num_heads), reverse=True)
-    report = {"questions": len(enc), "subjects": len(enc.subjects), "source": source, "rule": verifier.budget.rule,
-              "baseline": accuracy_summary(baseline), "points": [], "question_ids": [
-                  [q.subject, q.index] for q in data.questions]}
-    for point in passing:
-        result = work.evaluate(enc, verifier.target(point.heads), f"confirm {point.num_heads} heads")
-        delta, kl, agree, ok = judge(verifier.budget, result, baseline)
-        report["points"].append(_record(point, delta, kl, agree, ok))
-        say(f"  confirmation of {point.num_heads} heads on {len(enc)} unseen questions: delta {delta.delta:+.2f} pt "
-             f"[{delta.ci_low:+.2f}, {delta.ci_high:+.2f}]  KL {kl:.4f} nat  "
-             + ("confirmed" if ok else "over budget"), fg="green" if ok else "yellow")
-        if ok:
-            report.update(confirmed=True, num_heads=point.num_heads, **delta.to_json(), kl_answer_nats=round(kl, 6))
-            return Selection(point.heads, point.result, point.delta, selection.search, selection.total,
-                             point.savings), report
-    say(f"nothing confirms within {verifier.budget} on {len(enc)} unseen questions: no heads are removed",
-         fg="red", bold=True)
+    if confirmed_first:
+        return passing
+    return [selection] + [p for p in passing if p.heads != selection.heads]
+
+
+def _guarded(guard: Guard, verifier: Verifier, heads: HeadSet, guarded: dict) -> bool:
+    verdict = guard.check(verifier.target(heads), f"{len(heads)} heads")
+    guarded["points"].append({"num_heads": len(heads), **verdict.to_json()})
+    if verdict.ok:
+        guarded["chosen"] = {"num_heads": len(heads), "per_length": per_length(verdict)}
+    return verdict.ok
+
+
+class _Confirmer:
+    """The unablated model on the confirmation questions, and each point judged against it on them."""
+
+    def __init__(self, verifier: Verifier, questions: ConfirmationQuestions):
+        self.verifier, self.work = verifier, verifier.work
+        self.enc = encode_task(self.work.lm, questions.data)
+        self.baseline = self.work.evaluate(self.enc, None, "unablated (confirmation)")
+        self.report = {"questions": len(self.enc), "subjects": len(self.enc.subjects), "source": questions.source,
+                       "rule": verifier.budget.rule, "baseline": accuracy_summary(self.baseline), "points": [],
+                       "question_ids": [[q.subject, q.index] for q in questions.data.questions]}
+        self._last: tuple | None = None
+
+    def passes(self, point) -> bool:
+        result = self.work.evaluate(self.enc, self.verifier.target(point.heads), f"confirm {point.num_heads} heads")
+        delta, kl, agree, ok = judge(self.verifier.budget, result, self.baseline)
+        self.report["points"].append(_record(point, delta, kl, agree, ok))
+        say(f"  confirmation of {point.num_heads} heads on {len(self.enc)} unseen questions: delta {delta.delta:+.2f} "
+            f"pt [{delta.ci_low:+.2f}, {delta.ci_high:+.2f}]  KL {kl:.4f} nat  "
+            + ("confirmed" if ok else "over budget"), fg="green" if ok else "yellow")
+        self._last = (delta, kl)
+        return ok
+
+    def accept(self, point) -> dict:
+        delta, kl = self._last
+        self.report.update(confirmed=True, num_heads=point.num_heads, **delta.to_json(), kl_answer_nats=round(kl, 6))
+        return self.report
+
+
+def _nothing(verifier: Verifier, selection: Selection, confirmer: _Confirmer | None,
+             guard: Guard | None) -> Selection:
+    """No point passes: nothing is removed."""
+    confirms = f"confirms within {verifier.budget} on {len(confirmer.enc)} unseen questions" if confirmer else ""
+    keeps = "keeps the long-context probes within tolerance" if guard is not None else ""
+    say(f"nothing {' and '.join(x for x in (confirms, keeps) if x)}: no heads are removed", fg="red", bold=True)
+    if confirmer is not None:
+        confirmer.report.update(confirmed=False, num_heads=0)
     base = verifier.baseline
-    report.update(confirmed=False, num_heads=0)
     return Selection(HeadSet(), base, paired_delta(base, base), selection.search, selection.total,
-                     verifier.savings(HeadSet())), report
+                     verifier.savings(HeadSet()))

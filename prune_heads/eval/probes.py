@@ -1,0 +1,99 @@
+"""A long-context probe's pass: every item read once (ablated or not), logits kept for its scored tokens only.
+
+Per item: the mean loss of the target tokens (nats per token), the share of them that are the argmax given the ones
+before (token accuracy), whether all are (match: what greedy decoding would write), and for ``kl`` probes the mean
+next-token KL from the unablated model over the target positions (a second, unablated read of the same item).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from prune_heads.data.probes import ProbeItem, ProbeSet
+from prune_heads.heads import HeadSet
+from prune_heads.models.loading import LoadedModel
+from prune_heads.plan.ablation import HeadAblation
+from prune_heads.plan.planner import PrunePlan
+
+METRIC_FIELDS = ("nll", "token_accuracy", "match", "kl")
+
+
+@dataclass
+class ProbeResult:
+    """Per item of ``probe`` (in its order): ``nll`` (nats/token), ``token_accuracy`` and ``match`` (0/1), ``kl``
+    (nats; zeros where not measured or unablated), float64 tensors of ``[len(probe.items)]``."""
+
+    probe: ProbeSet
+    nll: torch.Tensor
+    token_accuracy: torch.Tensor
+    match: torch.Tensor
+    kl: torch.Tensor
+
+    def metric(self) -> torch.Tensor:
+        """The values the probe is judged by."""
+        return getattr(self, self.probe.metric)
+
+    def at_length(self, length: int) -> "ProbeResult":
+        rows = torch.tensor([it.length == length for it in self.probe.items])
+        items = tuple(it for it in self.probe.items if it.length == length)
+        return ProbeResult(ProbeSet(self.probe.name, items, self.probe.metric),
+                           *(getattr(self, f)[rows] for f in METRIC_FIELDS))
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {f: getattr(self, f) for f in METRIC_FIELDS}
+
+    def summary(self) -> dict:
+        """Means per length: what the report, the card and the terminal show."""
+        out = {}
+        for n in self.probe.lengths:
+            part = self.at_length(n)
+            out[str(n)] = {"prompts": len(part.probe.items), **{
+                f: round(float(getattr(part, f).mean()), 6) for f in METRIC_FIELDS
+                if f != "kl" or self.probe.metric == "kl"}}
+        return out
+
+
+    def describe(self) -> str:
+        """One line: the judged value per length (the loss for text, whose KL is measured against this model)."""
+        words = {"match": "keys retrieved", "token_accuracy": "repeated tokens predicted", "kl": "loss"}
+        what = words[self.probe.metric]
+        parts = []
+        for n, row in self.summary().items():
+            value = (f"{row['nll']:.3f} nat/token" if self.probe.metric == "kl"
+                     else f"{row[self.probe.metric] * 100:.0f}%")
+            parts.append(f"{value} at {n} tokens")
+        return f"{what} " + ", ".join(parts) + f" ({len(self.probe.items)} prompts)"
+
+
+def _target_logits(lm: LoadedModel, item: ProbeItem) -> torch.Tensor:
+    """Float32 log-probabilities predicting each target token: ``[target, vocab]``."""
+    ids = torch.tensor([item.ids], device=lm.device)
+    logits = lm.model(input_ids=ids, use_cache=False, logits_to_keep=item.target + 1).logits
+    return torch.log_softmax(logits[0, :-1].float(), dim=-1)
+
+
+@torch.no_grad()
+def probe_pass(lm: LoadedModel, probe: ProbeSet, masks: "HeadSet | PrunePlan | torch.Tensor | None",
+               progress: bool = False, label: str = "") -> ProbeResult:
+    """Every item of ``probe`` read with ``masks`` ablated (None: the model as it is)."""
+    n = len(probe.items)
+    values = {f: torch.zeros(n, dtype=torch.float64) for f in METRIC_FIELDS}
+    ablated = masks is not None and not (isinstance(masks, HeadSet) and not masks)
+    with HeadAblation(lm) as abl:
+        for i, item in enumerate(tqdm(probe.items, desc=label or probe.name, disable=not progress, leave=False)):
+            gold = torch.tensor(item.ids[-item.target:], device=lm.device)
+            reference = None
+            if probe.metric == "kl" and ablated:
+                abl.set_mask(None)
+                reference = _target_logits(lm, item)
+            abl.set_mask(masks if ablated else None)
+            logp = _target_logits(lm, item)
+            hits = (logp.argmax(-1) == gold).double()
+            values["nll"][i] = float(-logp.gather(-1, gold[:, None]).double().mean())
+            values["token_accuracy"][i] = float(hits.mean())
+            values["match"][i] = float(hits.min())
+            if reference is not None:
+                values["kl"][i] = float((reference.exp() * (reference - logp)).sum(-1).clamp(min=0).double().mean())
+    return ProbeResult(probe, *(values[f] for f in METRIC_FIELDS))

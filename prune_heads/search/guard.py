@@ -1,0 +1,154 @@
+"""The long-context guard: a point the budget accepts must also keep every long-context probe (data/probes.py) within
+a stated tolerance of the unablated model, at every probed length.
+
+Per probe and length, each prompt is paired with itself unablated: the drop of its pass-key match or copy token
+accuracy (in points), or its next-token KL on the user's texts (in nats), with the mean and a 95% interval over the
+prompts. Under the run's decision rule, ``point`` judges the mean and ``confident`` the interval's upper end. A point
+that fails is refused with the probe, the length and the numbers, like a failed confirmation, and the next passing
+point of the search is tried (confirmation.py walks them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prune_heads.console import say
+from prune_heads.data.probes import ProbeSet
+from prune_heads.errors import UserError
+from prune_heads.eval.probes import ProbeResult
+from prune_heads.eval.work import Work
+
+UNITS = {"match": "pt", "token_accuracy": "pt", "kl": "nat"}
+DEFAULT_TOLERANCE = {"passkey": 5.0, "copy": 5.0, "text": 0.05}
+
+
+def parse_tolerance(name: str, text) -> float:
+    """A probe's tolerance as the recipe writes it: points for passkey/copy (5, 5pt, 5%), nats for text (0.05nat)."""
+    raw = str(text).strip().lower()
+    for suffix in ("pts", "pt", "%", "nats", "nat"):
+        if raw.endswith(suffix):
+            raw = raw[: -len(suffix)].strip()
+            break
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0 or (name != "text" and value > 100):
+        unit = "nats (0.05nat)" if name == "text" else "points between 0 and 100 (5pt)"
+        raise UserError(f"the guard's tolerance for {name} {text!r} is not a tolerance; write it in {unit}")
+    return value
+
+
+@dataclass(frozen=True)
+class GuardSetup:
+    """The probes, each probe's tolerance (points, or nats for ``text``) and the decision rule."""
+
+    probes: tuple[ProbeSet, ...]
+    tolerances: tuple[tuple[str, float], ...]
+    rule: str = "point"
+
+    def tolerance(self, name: str) -> float:
+        return dict(self.tolerances).get(name, DEFAULT_TOLERANCE[name])
+
+
+@dataclass(frozen=True)
+class ProbeComparison:
+    """One probe at one length: original and pruned means, the paired change and its interval, the verdict."""
+
+    probe: str
+    length: int
+    prompts: int
+    original: float
+    pruned: float
+    change: float  # points lost (match, token accuracy) or nats of KL (text)
+    ci_low: float
+    ci_high: float
+    tolerance: float
+    unit: str
+    ok: bool
+
+    def to_json(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+    def describe(self) -> str:
+        scale = 100.0 if self.unit == "pt" else 1.0
+        what = "KL" if self.unit == "nat" else f"{self.original * scale:.1f}% -> {self.pruned * scale:.1f}%"
+        return (f"{self.probe} at {self.length} tokens: {what}, {self.change:+.3g} {self.unit} "
+                f"[{self.ci_low:+.3g}, {self.ci_high:+.3g}] (tolerance {self.tolerance:g} {self.unit})")
+
+
+def compare(original: ProbeResult, pruned: ProbeResult, tolerance: float, rule: str) -> list[ProbeComparison]:
+    """Per length, each prompt paired with itself unablated: the change, its 95% interval and the verdict."""
+    rows = []
+    for n in original.probe.lengths:
+        a, b = original.at_length(n), pruned.at_length(n)
+        unit = UNITS[original.probe.metric]
+        change = (b.kl if unit == "nat" else (a.metric() - b.metric()) * 100.0).double()
+        mean = float(change.mean())
+        se = float(change.std()) / len(change) ** 0.5 if len(change) > 1 else 0.0
+        low, high = mean - 1.96 * se, mean + 1.96 * se
+        ok = (high if rule == "confident" else mean) <= tolerance + 1e-9
+        pruned_mean = float(b.kl.mean()) if unit == "nat" else float(b.metric().mean())
+        original_mean = 0.0 if unit == "nat" else float(a.metric().mean())
+        rows.append(ProbeComparison(original.probe.name, n, len(change), original_mean, pruned_mean, mean, low, high,
+                                    tolerance, unit, ok))
+    return rows
+
+
+@dataclass(frozen=True)
+class GuardVerdict:
+    rows: tuple[ProbeComparison, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(r.describe() for r in self.rows if not r.ok)
+
+    def to_json(self) -> dict:
+        return {"within_tolerance": self.ok, "probes": [r.to_json() for r in self.rows],
+                **({"reason": self.reason} if not self.ok else {})}
+
+
+class Guard:
+    """The probes' unablated results, and each head set judged against them."""
+
+    def __init__(self, work: Work, setup: GuardSetup, baselines: tuple[ProbeResult, ...]):
+        self.work, self.setup, self.baselines = work, setup, baselines
+
+    @classmethod
+    def measured(cls, work: Work, setup: GuardSetup) -> "Guard":
+        """A guard with the unablated model's probe results (cached)."""
+        return cls(work, setup, tuple(work.probe(p, None, f"{p.name} unablated") for p in setup.probes))
+
+    def check(self, target, label: str) -> GuardVerdict:
+        """Every probe with ``target`` ablated, against the unablated model."""
+        rows: list[ProbeComparison] = []
+        for probe, base in zip(self.setup.probes, self.baselines):
+            result = self.work.probe(probe, target, f"{probe.name}, {label}")
+            rows += compare(base, result, self.setup.tolerance(probe.name), self.setup.rule)
+        verdict = GuardVerdict(tuple(rows))
+        say(f"  long-context guard, {label}: " + ("every probe within tolerance" if verdict.ok
+                                                   else f"refused: {verdict.reason}"),
+            fg="green" if verdict.ok else "yellow")
+        return verdict
+
+    def to_json(self) -> dict:
+        """What the guard checks, and the unablated model's results per probe and length."""
+        return {"enabled": True, "rule": self.setup.rule,
+                "tolerance": {p.name: self.setup.tolerance(p.name) for p in self.setup.probes},
+                "probes": [p.to_json() for p in self.setup.probes],
+                "original": {b.probe.name: b.summary() for b in self.baselines}}
+
+
+def per_length(verdict: GuardVerdict | None) -> dict:
+    """``{probe: {length: {original, pruned, change, ...}}}`` of a verdict: the table of the report and the card."""
+    if verdict is None:
+        return {}
+    out: dict[str, dict] = {}
+    for r in verdict.rows:
+        out.setdefault(r.probe, {})[str(r.length)] = {k: v for k, v in r.to_json().items()
+                                                       if k not in ("probe", "length")}
+    return out

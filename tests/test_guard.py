@@ -1,0 +1,263 @@
+"""The long-context guard: probes built from the tokenizer (data/probes.py), read with heads ablated (eval/probes.py),
+judged paired per prompt (search/guard.py) and walked by confirmation (search/confirmation.py), through the main
+command on tiny models, and on the embedded model where zeroing its retrieval heads must be refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_mmlu import _cais_file
+from tiny import run_cli, save_tiny, tiny_model
+
+from prune_heads.data.probes import FILLER, ProbeItem, ProbeSet, copy_probe, passkey_probe, probe_lengths, text_probe
+from prune_heads.errors import UserError
+from prune_heads.eval.probes import ProbeResult
+from prune_heads.search.guard import compare, parse_tolerance
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("guard"), "llama")
+
+
+# -- the probes -----------------------------------------------------------------------------------------------------
+
+
+def test_passkey_prompts_fill_their_length_hide_the_key_at_spread_depths_and_read_back(lm):
+    probe = passkey_probe(lm, (400, 1024), 4, seed=3)
+    assert probe.lengths == (400, 1024) and probe.metric == "match" and len(probe.items) == 8
+    filler = len(lm.tokenizer(FILLER, add_special_tokens=False).input_ids)
+    for n in (400, 1024):
+        items = [it for it in probe.items if it.length == n]
+        assert all(n - 2 * filler <= len(it.ids) <= n for it in items)  # filled to within one filler sentence
+        depths = [it.depth for it in items]
+        assert depths == sorted(set(depths)) and depths[-1] - depths[0] > 0.4  # after the intro, spread over the rest
+        for it in items:
+            key = lm.tokenizer.decode(list(it.ids[-it.target:])).strip()
+            assert len(key) == 5 and key.isdigit()
+            text = lm.tokenizer.decode(list(it.ids))
+            assert f"The pass key is {key}." in text and text.endswith(f"The pass key is {key}")
+            start, end = it.needle
+            assert list(it.ids[start:end]) == list(it.ids[-it.target:])  # the key inside the needle, as read back
+    assert len({lm.tokenizer.decode(list(it.ids[-it.target:])) for it in probe.items}) == 8  # a fresh key each
+    again = passkey_probe(lm, (400, 1024), 4, seed=3)
+    assert again == probe and passkey_probe(lm, (400, 1024), 4, seed=4) != probe
+
+
+def test_a_passkey_length_shorter_than_the_prompt_is_refused(lm):
+    with pytest.raises(UserError, match="shorter than the pass-key prompt"):
+        passkey_probe(lm, (64,), 1, seed=0)
+
+
+def test_copy_prompts_repeat_a_random_sequence_and_score_the_repeat(lm):
+    probe = copy_probe(lm, (128, 300), 2, seed=1)
+    assert probe.metric == "token_accuracy" and [it.length for it in probe.items] == [128, 128, 300, 300]
+    special = set(lm.tokenizer.all_special_ids)
+    for it in probe.items:
+        start = len(it.ids) % 2  # the BOS this tokenizer adds, if any
+        half = (len(it.ids) - start) // 2
+        first, second = it.ids[start:start + half], it.ids[start + half:]
+        assert first == second and len(it.ids) <= it.length and it.target == half - 1
+        assert list(it.ids[-it.target:]) == list(first[1:]) and not special & set(first)
+
+
+def test_text_probe_cuts_documents_to_the_longest_length_they_fill_and_scores_the_last_quarter(lm):
+    long_doc = " ".join(f"word{i}" for i in range(400))
+    probe = text_probe(lm, [long_doc, "too short", long_doc], (64, 128), 1, "file docs.txt")
+    assert [it.length for it in probe.items] == [64, 128] and probe.metric == "kl"
+    assert [len(it.ids) for it in probe.items] == [64, 128] and [it.target for it in probe.items] == [16, 32]
+    with pytest.raises(UserError, match="no text in file docs.txt is at least 64 tokens long"):
+        text_probe(lm, ["too short"], (64, 128), 4, "file docs.txt")
+
+
+@pytest.mark.parametrize("lengths, context, cap, expect", [
+    ((512, 2048), 4096, None, (512, 2048)),
+    ((512, 2048), 512, None, (512,)),
+    ((512, 2048), 8192, 1000, (512,)),
+    ((512, 2048), 300, None, (300,)),  # none fits: the context itself
+])
+def test_probe_lengths_fit_the_context_and_the_cap(lengths, context, cap, expect):
+    assert probe_lengths(lengths, context, cap) == expect
+
+
+def test_probe_lengths_below_64_tokens_are_refused():
+    with pytest.raises(UserError, match="probe_max_length"):
+        probe_lengths((512,), 4096, 32)
+
+
+# -- the paired statistics ------------------------------------------------------------------------------------------
+
+
+def _result(probe: ProbeSet, **values) -> ProbeResult:
+    n = len(probe.items)
+    zeros = torch.zeros(n, dtype=torch.float64)
+    got = {f: torch.tensor(values[f], dtype=torch.float64) if f in values else zeros
+           for f in ("nll", "token_accuracy", "match", "kl")}
+    return ProbeResult(probe, got["nll"], got["token_accuracy"], got["match"], got["kl"])
+
+
+def _probe(metric: str) -> ProbeSet:
+    items = tuple(ProbeItem((1, 2, 3), 1, n) for n in (256, 256, 256, 256, 1024, 1024))
+    return ProbeSet("copy" if metric != "kl" else "text", items, metric)
+
+
+def test_each_length_is_judged_on_the_paired_change_with_its_interval():
+    probe = _probe("match")
+    original = _result(probe, match=[1, 1, 1, 1, 0, 0])
+    pruned = _result(probe, match=[1, 0, 1, 1, 1, 1])
+    rows = compare(original, pruned, tolerance=30.0, rule="point")
+    short, long = rows
+    assert (short.length, short.prompts, short.original, short.pruned) == (256, 4, 1.0, 0.75)
+    # the per-prompt losses are 0, 100, 0, 0 points: mean 25, standard deviation 50, standard error 25
+    assert short.change == pytest.approx(25.0) and short.ci_low == pytest.approx(25 - 1.96 * 25)
+    assert short.ci_high == pytest.approx(25 + 1.96 * 25) and short.ok  # the mean is within 30 pt
+    assert long.change == pytest.approx(-100.0) and long.ok  # a gain is never a loss
+    confident = compare(original, pruned, tolerance=30.0, rule="confident")
+    assert not confident[0].ok and confident[1].ok  # the interval's upper end (74 pt) is not within 30
+    assert not compare(original, pruned, tolerance=5.0, rule="point")[0].ok
+    assert "copy at 256 tokens: 100.0% -> 75.0%, +25 pt" in short.describe()
+
+
+def test_text_probes_are_judged_by_their_kl_in_nats():
+    probe = _probe("kl")
+    base = _result(probe)
+    pruned = _result(probe, kl=[0.01, 0.03, 0.02, 0.02, 0.2, 0.2])
+    short, long = compare(base, pruned, tolerance=0.05, rule="point")
+    assert short.unit == "nat" and short.change == pytest.approx(0.02) and short.ok
+    assert long.change == pytest.approx(0.2) and not long.ok and long.pruned == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("name, text, value", [("passkey", "5pt", 5.0), ("copy", "2.5%", 2.5), ("copy", 10, 10.0),
+                                               ("text", "0.05nat", 0.05), ("text", "0.1 nats", 0.1)])
+def test_tolerances_read_as_the_recipe_writes_them(name, text, value):
+    assert parse_tolerance(name, text) == value
+
+
+@pytest.mark.parametrize("name, text", [("passkey", "lots"), ("copy", "-1pt"), ("passkey", "120%"), ("text", "nan")])
+def test_a_tolerance_that_is_not_one_is_refused(name, text):
+    with pytest.raises(UserError, match="is not a tolerance"):
+        parse_tolerance(name, text)
+
+
+# -- through the main command ---------------------------------------------------------------------------------------
+
+
+def _run(model_dir, tmp_path, capsys, *extra, code=0):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "run"
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=14)
+    got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
+                           "--dtype", "float32", "--no-progress", "--mmlu-per-subject", "3", "--budget", "100%",
+                           *extra], capsys)
+    assert got == code, err
+    return (json.loads((out / "report.json").read_text()) if code == 0 else None), err
+
+
+def _failing_first(monkeypatch, failures: int | None):
+    """The guard's comparison with the first ``failures`` checks refused (None: every check)."""
+    import prune_heads.search.guard as guard
+
+    real, checks = guard.compare, []
+
+    def compare(original, pruned, tolerance, rule):
+        rows = real(original, pruned, tolerance, rule)
+        if original.probe.name == "passkey":
+            checks.append(1)
+        refuse = failures is None or len(checks) <= failures
+        return [r.__class__(**{**r.__dict__, "ok": r.ok and not refuse}) for r in rows]
+
+    monkeypatch.setattr(guard, "compare", compare)
+
+
+def test_the_guard_refuses_a_point_and_confirmation_steps_back(model_dir, tmp_path, capsys, monkeypatch):
+    _failing_first(monkeypatch, 1)
+    report, err = _run(model_dir, tmp_path, capsys)
+    g = report["guard"]
+    assert g["enabled"] and [p["within_tolerance"] for p in g["points"]] == [False, True]
+    assert g["points"][1]["num_heads"] < g["points"][0]["num_heads"] and "reason" in g["points"][0]
+    assert report["final"]["num_heads_removed"] == g["points"][1]["num_heads"] == g["chosen"]["num_heads"]
+    assert report["confirmation"]["points"][0]["refused_by_guard"] is True
+    assert set(g["chosen"]["per_length"]) == {"passkey", "copy"}
+    assert list(g["chosen"]["per_length"]["passkey"]) == ["512"]  # the tiny model's context caps 2048
+    assert set(g["original"]) == {"passkey", "copy"} and g["probes"][0]["prompts"] == {"512": 8}
+    assert "long-context guard" in err and "refused: passkey at 512 tokens" in err
+    meta = json.loads((tmp_path / "run" / "prune_heads.json").read_text())
+    assert meta["long_context"]["chosen"] == g["chosen"]
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "## Long context" in card and "| passkey | 512 | 8 |" in card and "| copy | 512 | 2 |" in card
+
+
+def test_nothing_within_the_guard_removes_nothing(model_dir, tmp_path, capsys, monkeypatch):
+    _failing_first(monkeypatch, None)
+    report, err = _run(model_dir, tmp_path, capsys)
+    assert report["final"]["num_heads_removed"] == 0 and "chosen" not in report["guard"]
+    assert report["guard"]["points"] and not any(p["within_tolerance"] for p in report["guard"]["points"])
+    assert "keeps the long-context probes within tolerance: no heads are removed" in err
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "Nothing was removed" in card
+
+
+def test_no_guard_is_said_in_the_report_and_the_card(model_dir, tmp_path, capsys):
+    report, err = _run(model_dir, tmp_path, capsys, "--no-guard")
+    assert report["guard"] == {"enabled": False} and "long-context" not in err
+    assert "guard was off (`--no-guard`)" in (tmp_path / "run" / "README.md").read_text()
+
+
+def test_own_texts_join_the_guard_and_probes_join_the_calibration(model_dir, tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": " ".join(f"w{i}x{j}" for j in range(300))}) for i in range(3)))
+    report, _ = _run(model_dir, tmp_path, capsys, "--guard-texts", docs, "--guard", "copy", "--calibrate-probes",
+                     "--probe-max-length", "256", "--no-export")
+    g = report["guard"]
+    assert [p["name"] for p in g["probes"]] == ["copy", "text"] and g["tolerance"] == {"copy": 5.0, "text": 0.05}
+    assert g["probes"][1]["prompts"] == {"256": 3} and g["probes"][0]["lengths"] == [256]
+    assert "passkey probe prompts" in report["calibration"]["source"]
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--guard", "needle"], "--guard needle is not a long-context probe"),
+    (["--guard", "copy", "--no-guard"], "--guard and --no-guard contradict"),
+    (["--guard", "text"], "pass them with --guard-texts FILE"),
+    (["--guard-texts", "DOCS", "--no-guard"], "--guard-texts feeds the long-context guard, which is off"),
+    (["--guard-texts", "missing.jsonl"], "guard text file missing.jsonl does not exist"),
+    (["--probe-max-length", "10"], "--probe-max-length"),
+    (["--recipe", "RECIPE"], "is not a tolerance"),
+])
+def test_bad_guard_flags_are_one_line_errors(model_dir, tmp_path, capsys, flags, expect):
+    docs = tmp_path / "docs.txt"
+    docs.write_text("a long document\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("guard:\n  tolerance: {passkey: lots}\n")
+    flags = [str(docs) if f == "DOCS" else str(recipe) if f == "RECIPE" else f for f in flags]
+    _, err = _run(model_dir, tmp_path, capsys, *flags, code=2)
+    assert expect in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- the embedded model ---------------------------------------------------------------------------------------------
+
+
+def test_zeroing_the_heads_the_probes_find_retrieving_is_refused_on_the_embedded_model():
+    """SmolLM2-135M retrieves a key from 256 tokens of filler; the 13 heads that attend most from the question to the
+    key (on other prompts) carry it: zeroed, retrieval collapses and the guard refuses them."""
+    from prune_heads.eval.work import Work
+    from prune_heads.heads import HeadSet
+    from prune_heads.models.loading import load_model
+    from prune_heads.scoring.retrieval import retrieval_scores
+    from prune_heads.search.guard import Guard, GuardSetup
+
+    lm = load_model("smollm2-135m", "float32", "cpu")
+    scores = retrieval_scores(lm, passkey_probe(lm, (256,), 8, seed=1))
+    top = torch.topk(scores.flatten(), 13).indices.tolist()
+    heads = HeadSet.from_pairs([(i // scores.shape[1], i % scores.shape[1]) for i in top])
+    guard = Guard.measured(Work(lm, None, progress=False), GuardSetup((passkey_probe(lm, (256,), 8, seed=0),),
+                                                                      (("passkey", 5.0),)))
+    assert guard.baselines[0].match.mean() >= 0.75  # the original retrieves
+    verdict = guard.check(heads, "13 retrieval heads")
+    assert not verdict.ok and verdict.rows[0].pruned <= 0.25 and "passkey at 256 tokens" in verdict.reason
+    assert guard.check(HeadSet(), "no heads").ok
