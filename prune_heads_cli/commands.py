@@ -90,6 +90,8 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
         guard = guard_for(run)
         selection, confirmation, guarded = confirmed(run, verifier, select(run, ranking, scored, verifier), guard)
         confirmation, guarded = worded_json(confirmation), worded_json(guarded)
+        if guard is not None:
+            guarded["seconds"] = round(guard.seconds, 1)
         if not ranks.root:
             return None  # this rank's share is done: the decision is made, rank 0 writes it
         run.work.finish_alone()

@@ -134,12 +134,20 @@ def score(**kw):
 @cli.command(name="eval")
 @common_options
 @click.option("--ablate", type=click.Path(dir_okay=False), help="heads.json of heads to zero ({layer: [head, ...]}).")
-def eval_cmd(ablate, **kw):
-    """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json."""
+@click.option("--probes", metavar="PROBES", help="Also run these long-context probes (passkey, copy, text), unablated "
+              "and with --ablate's heads, per length: probes.json.")
+@click.option("--guard-texts", type=click.Path(dir_okay=False), help="Your long documents for the probe text.")
+@click.option("--probe-max-length", type=click.IntRange(min=64), help="No probe longer than this many tokens.")
+def eval_cmd(ablate, probes, guard_texts, probe_max_length, **kw):
+    """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json
+    (and probes.json with --probes)."""
     from prune_heads_cli.measure import run_eval
 
     heads = load_heads(ablate, "ablated") if ablate else None
-    settings, inputs = prepare(kw)
+    if guard_texts and not probes:
+        raise UserError("--guard-texts feeds the probe text; add --probes text (or passkey,copy,text)")
+    settings, inputs = prepare(kw, guard=tuple(csv_list(probes, "probes")) if probes else (),
+                               guard_texts=guard_texts, probe_max_length=probe_max_length)
     if heads:
         check_heads(heads, inputs.config)
     run_eval(settings, inputs, kw["out"], kw["force"], heads)

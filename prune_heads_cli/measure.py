@@ -50,6 +50,9 @@ def run_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: 
                    "skipped_rows": data.skipped_rows, "ablated_heads": heads.to_json() if heads else {}}
         warning = _ablated_summary(run, heads, result, summary) if heads else warn_chance(result, task=settings.task)
         summary["warnings"] = [worded(warning)] if warning else []
+        if settings.guard:
+            summary["probes"] = _probes(run, heads)
+            write_json(staged.path / "probes.json", summary["probes"])
         summary["cache"] = run.work.cache.stats
         write_eval_outputs(staged.path, result, summary, settings.task)
     say(f"{settings.task} accuracy {100 * result.accuracy:.2f}% on {len(result.questions)} questions: "
@@ -68,6 +71,26 @@ def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict
     if kl_seqs:
         summary["kl_text"] = {"nats": round(run.work.text_kl(kl_seqs, heads), 6), "source": kl_source}
     return warn_chance(baseline, task=run.settings.task)
+
+
+def _probes(run: Run, heads: HeadSet | None) -> dict:
+    """``eval --probes``: each long-context probe per length, unablated and (with ``heads``) ablated, paired per prompt
+    as the guard judges it."""
+    from prune_heads.pipeline.stages import probes_for
+    from prune_heads.search.guard import DEFAULT_TOLERANCE, compare
+
+    out = {}
+    for probe in probes_for(run, run.settings.guard):
+        base = run.work.probe(probe, None, f"{probe.name} unablated")
+        say(f"{probe.name} unablated: {base.describe()}")
+        out[probe.name] = {**probe.to_json(), "original": base.summary()}
+        if heads:
+            ablated = run.work.probe(probe, heads, f"{probe.name} ablated")
+            tolerance = dict(run.settings.guard_tolerance).get(probe.name, DEFAULT_TOLERANCE[probe.name])
+            rows = compare(base, ablated, tolerance, run.settings.budget.rule)
+            say(f"{probe.name} ablated: {ablated.describe()}")
+            out[probe.name].update(ablated=ablated.summary(), change=[r.to_json() for r in rows])
+    return out
 
 
 # -- compare, study -------------------------------------------------------------------------------------------------

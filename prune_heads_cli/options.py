@@ -158,6 +158,8 @@ def prepare(kw: dict, main_command: bool = False, **extra):
         raise UserError("--out is required; pass a directory for the results")
     if kw.get("no_progress"):
         _quiet_libraries()
+    if not main_command:
+        extra.setdefault("guard", ())  # the long-context guard belongs to the main command (eval: --probes)
     overrides = {}  # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
     per_subject = _int_or_all(kw.get("mmlu_per_subject"), auto=True)
     if per_subject == "auto":

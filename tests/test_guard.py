@@ -261,3 +261,24 @@ def test_zeroing_the_heads_the_probes_find_retrieving_is_refused_on_the_embedded
     verdict = guard.check(heads, "13 retrieval heads")
     assert not verdict.ok and verdict.rows[0].pruned <= 0.25 and "passkey at 256 tokens" in verdict.reason
     assert guard.check(HeadSet(), "no heads").ok
+
+
+def test_eval_runs_the_probes_unablated_and_ablated(model_dir, tmp_path, capsys):
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": [0, 1], "1": [3]}))
+    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
+    out = tmp_path / "eval"
+    code, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu, "--out", out, "--dtype", "float32",
+                            "--no-progress", "--ablate", heads, "--probes", "passkey,copy", "--probe-max-length",
+                            "256"], capsys)
+    assert code == 0, err
+    probes = json.loads((out / "probes.json").read_text())
+    assert set(probes) == {"passkey", "copy"} and json.loads((out / "summary.json").read_text())["probes"] == probes
+    for name, prompts in (("passkey", 8), ("copy", 2)):
+        p = probes[name]
+        assert p["lengths"] == [256] and p["original"]["256"]["prompts"] == prompts
+        assert set(p["ablated"]["256"]) >= {"nll", "token_accuracy", "match"} and p["change"][0]["length"] == 256
+    assert "passkey unablated: keys retrieved" in err
+    code, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu, "--out", tmp_path / "e2",
+                            "--guard-texts", heads], capsys)
+    assert code == 2 and "add --probes text" in err

@@ -126,8 +126,8 @@ def describe(run: Run) -> str:
 def score(run: Run) -> Scored:
     """Every score function on every head over the calibration sequences."""
     seqs, source = calibration_sequences(run.lm, run.settings, run.inputs, run.enc)
-    if run.settings.calibrate_probes:  # prompts like the guard's, never its own (another seed)
-        probes = probes_for(run, ("passkey", "copy"), seed=run.settings.seed + 1)
+    if run.settings.calibrate_probes:  # prompts like the guard's at its shortest length, never its own (another seed)
+        probes = probes_for(run, ("passkey", "copy"), seed=run.settings.seed + 1, shortest=True)
         seqs = seqs + [list(it.ids) for p in probes for it in p.items]
         source += " + " + ", ".join(f"{len(p.items)} {p.name} probe prompts" for p in probes)
     return Scored(run.work.scores(seqs), source)
@@ -214,12 +214,13 @@ def select(run: Run, ranking: UnitRanking, scored: Scored, verifier: Verifier) -
     return select_heads(ranking, scored.table, verifier, selection_options(run.settings))
 
 
-def probes_for(run: Run, names: tuple[str, ...], seed: int | None = None) -> tuple[ProbeSet, ...]:
-    """The long-context probes ``names`` at the recipe's lengths, fitted to the model's context and
-    `probe_max_length`."""
+def probes_for(run: Run, names: tuple[str, ...], seed: int | None = None,
+               shortest: bool = False) -> tuple[ProbeSet, ...]:
+    """The long-context probes ``names`` at the recipe's lengths (``shortest``: the shortest only), fitted to the
+    model's context and `probe_max_length`."""
     s = run.settings
     context = getattr(run.lm.config.get_text_config(), "max_position_embeddings", None)
-    lengths = probe_lengths(s.probe_lengths, context, s.probe_max_length)
+    lengths = probe_lengths(s.probe_lengths, context, s.probe_max_length)[: 1 if shortest else None]
     options = ProbeOptions(names, lengths, s.probe_prompts, s.seed if seed is None else seed)
     return build_probes(run.lm, options, run.inputs.guard_texts, f"file {s.guard_texts}")
 

@@ -10,6 +10,7 @@ point of the search is tried (confirmation.py walks them).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from prune_heads.console import say
@@ -115,20 +116,25 @@ class GuardVerdict:
 class Guard:
     """The probes' unablated results, and each head set judged against them."""
 
-    def __init__(self, work: Work, setup: GuardSetup, baselines: tuple[ProbeResult, ...]):
+    def __init__(self, work: Work, setup: GuardSetup, baselines: tuple[ProbeResult, ...], seconds: float = 0.0):
         self.work, self.setup, self.baselines = work, setup, baselines
+        self.seconds = seconds  # spent reading probes (what the guard costs the run; cached reads cost nothing)
 
     @classmethod
     def measured(cls, work: Work, setup: GuardSetup) -> "Guard":
         """A guard with the unablated model's probe results (cached)."""
-        return cls(work, setup, tuple(work.probe(p, None, f"{p.name} unablated") for p in setup.probes))
+        started = time.perf_counter()
+        baselines = tuple(work.probe(p, None, f"{p.name} unablated") for p in setup.probes)
+        return cls(work, setup, baselines, time.perf_counter() - started)
 
     def check(self, target, label: str) -> GuardVerdict:
         """Every probe with ``target`` ablated, against the unablated model."""
+        started = time.perf_counter()
         rows: list[ProbeComparison] = []
         for probe, base in zip(self.setup.probes, self.baselines):
             result = self.work.probe(probe, target, f"{probe.name}, {label}")
             rows += compare(base, result, self.setup.tolerance(probe.name), self.setup.rule)
+        self.seconds += time.perf_counter() - started
         verdict = GuardVerdict(tuple(rows))
         say(f"  long-context guard, {label}: " + ("every probe within tolerance" if verdict.ok
                                                    else f"refused: {verdict.reason}"),
