@@ -88,7 +88,8 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
         resolution = resolution or resolution_of(run, ranking, verifier)
         warnings = [worded(w) for w in _say_baseline(run, verifier, resolution)]
         guard = guard_for(run)
-        selection, confirmation, guarded = confirmed(run, verifier, select(run, ranking, scored, verifier), guard)
+        selection, confirmation, guarded = confirmed(run, verifier, select(run, ranking, scored, verifier), guard,
+                                                     ranking)
         confirmation, guarded = worded_json(confirmation), worded_json(guarded)
         if guard is not None:
             guarded["seconds"] = round(guard.seconds, 1)

@@ -193,10 +193,38 @@ def test_the_guard_refuses_a_point_and_confirmation_steps_back(model_dir, tmp_pa
     assert "## Long context" in card and "| passkey | 512 | 8 |" in card and "| copy | 512 | 2 |" in card
 
 
+def test_below_the_search_the_guard_steps_back_along_the_ranking(model_dir, tmp_path, capsys, monkeypatch):
+    """The guard refuses every point of more than 3 heads: the search's points all have more, so the walk goes on to
+    shorter prefixes of the same ranking, each evaluated on the search's questions first."""
+    import prune_heads.search.guard as guard
+
+    real = guard.Guard.check
+
+    def at_most_three(self, target, label):
+        verdict = real(self, target, label)
+        if int(label.split()[0]) <= 3:
+            return verdict
+        return guard.GuardVerdict(tuple(r.__class__(**{**r.__dict__, "ok": False}) for r in verdict.rows))
+
+    monkeypatch.setattr(guard.Guard, "check", at_most_three)
+    recipe = tmp_path / "grid.yaml"
+    recipe.write_text("search: {grid: [0.5, 0.75], patience: 1, refine_steps: 0}\n")
+    report, _ = _run(model_dir, tmp_path, capsys, "--recipe", recipe, "--no-export")
+    searched = [p for p in report["points"] if p["stage"] == "grid"]
+    stepped = [p for p in report["points"] if p["stage"] == "step-back"]
+    assert searched and min(p["num_heads"] for p in searched) > 3
+    units = sorted((p["units"] for p in stepped), reverse=True)  # one unit fewer than the search's smallest, then halving
+    assert units[0] == min(p["units"] for p in searched) - 1 and units[1:] == [u // 2 for u in units[:-1]]
+    assert report["final"]["num_heads_removed"] == report["guard"]["chosen"]["num_heads"] <= 3
+    assert report["final"]["num_heads_removed"] in [p["num_heads"] for p in stepped]
+    assert report["confirmation"]["confirmed"] is True
+
+
 def test_nothing_within_the_guard_removes_nothing(model_dir, tmp_path, capsys, monkeypatch):
     _failing_first(monkeypatch, None)
     report, err = _run(model_dir, tmp_path, capsys)
     assert report["final"]["num_heads_removed"] == 0 and "chosen" not in report["guard"]
+    assert [p["units"] for p in report["points"] if p["stage"] == "step-back"] == []  # the search started at 1 unit
     assert report["guard"]["points"] and not any(p["within_tolerance"] for p in report["guard"]["points"])
     assert "keeps the long-context probes within tolerance: no heads are removed" in err
     card = (tmp_path / "run" / "README.md").read_text()

@@ -8,8 +8,9 @@
     resolution_of    Run, UnitRanking, Verifier -> Resolution (what the question count resolves at the budget's edge)
     select           Run, UnitRanking, Scored, Verifier -> Selection (search/selection.py: the budget search)
     guard_for        Run -> Guard | None (search/guard.py: the long-context probes, measured unablated; cached)
-    confirmed        Run, Verifier, Selection, Guard -> (Selection, confirmation record, guard record): the chosen
-                     point confirmed on unseen questions and kept within the probes' tolerance, else stepped back
+    confirmed        Run, Verifier, Selection, Guard, UnitRanking -> (Selection, confirmation record, guard record):
+                     the chosen point confirmed on unseen questions and kept within the probes' tolerance, else
+                     stepped back (with the guard: below the search's points, along the ranking)
 
 Commands (``prune_heads_cli/commands.py``) chain these, hand the chosen heads to an exporter (``exporters``) and
 assemble the report from the results (report/report.py).
@@ -237,9 +238,10 @@ def guard_for(run: Run) -> Guard | None:
     return guard
 
 
-def confirmed(run: Run, verifier: Verifier, selection: Selection, guard: Guard | None) -> tuple[Selection, dict, dict]:
+def confirmed(run: Run, verifier: Verifier, selection: Selection, guard: Guard | None,
+              ranking: UnitRanking) -> tuple[Selection, dict, dict]:
     questions = ConfirmationQuestions(run.inputs.confirmation, run.inputs.confirmation_source)
-    return confirm(verifier, questions, selection, run.settings.objective, guard)
+    return confirm(verifier, questions, selection, run.settings.objective, guard, ranking)
 
 
 def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:

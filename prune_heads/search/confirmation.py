@@ -13,6 +13,7 @@ unablated model; a point that confirms but fails the guard is refused the same w
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from prune_heads.console import say
@@ -23,7 +24,9 @@ from prune_heads.heads import HeadSet
 from prune_heads.plan.planner import objective_value
 from prune_heads.search.budget import judge
 from prune_heads.search.guard import Guard, per_length
+from prune_heads.search.prefixes import Prefixes
 from prune_heads.search.selection import Selection
+from prune_heads.search.units import UnitRanking
 from prune_heads.search.verifier import Verifier
 
 
@@ -42,10 +45,11 @@ def _record(point, delta, kl, agree, ok) -> dict:
 
 
 def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Selection, objective: str,
-            guard: Guard | None = None) -> tuple[Selection, dict, dict]:
+            guard: Guard | None = None, ranking: UnitRanking | None = None) -> tuple[Selection, dict, dict]:
     """(the accepted selection, the report's ``confirmation``, the report's ``guard``). The search's passing points
     are tried best first: each must confirm on unseen questions (where confirmation applies) and keep every
-    long-context probe within tolerance (with a ``guard``); the first that does is the selection. Unchanged when
+    long-context probe within tolerance (with a ``guard``); the first that does is the selection. With a guard and
+    the search's ``ranking``, the walk goes on below the smallest passing point (``_smaller``). Unchanged when
     neither applies (no confirmation questions, a next-token-KL budget, healing in the search; no guard)."""
     guarded = {**guard.to_json(), "points": []} if guard else {"enabled": False}
     if not selection.heads:
@@ -54,7 +58,8 @@ def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Sel
     confirmer = _Confirmer(verifier, questions) if questions.data is not None else None
     if confirmer is None and guard is None:
         return selection, {"confirmed": None, "reason": questions.source}, guarded
-    for point in _candidates(selection, objective, confirmed_first=confirmer is not None):
+    smaller = _smaller(selection, ranking, verifier) if guard is not None and ranking is not None else ()
+    for point in itertools.chain(_candidates(selection, objective, confirmed_first=confirmer is not None), smaller):
         if confirmer is not None and not confirmer.passes(point):
             continue
         if guard is not None and not _guarded(guard, verifier, point.heads, guarded):
@@ -78,6 +83,23 @@ def _candidates(selection: Selection, objective: str, confirmed_first: bool) -> 
     if confirmed_first:
         return passing
     return [selection] + [p for p in passing if p.heads != selection.heads]
+
+
+def _smaller(selection: Selection, ranking: UnitRanking, verifier: Verifier):
+    """Below the smallest passing point of the search: shorter prefixes of the same ranking (one unit fewer, then
+    halving), each evaluated on the search's questions like a search point (report stage ``step-back``) and offered
+    when within budget. A guard that refuses the search's points (a retrieval head among the least dormant units)
+    may accept the part of the prefix without it."""
+    passing = [p.units for p in selection.search.points if p.within_budget and p.heads]
+    if not passing:
+        return
+    prefixes, k = Prefixes(ranking, verifier), min(passing) - 1
+    while k >= 1:
+        point = prefixes.point(k, "step-back")
+        selection.search.points.append(point)
+        if point.within_budget:
+            yield point
+        k //= 2
 
 
 def _guarded(guard: Guard, verifier: Verifier, heads: HeadSet, guarded: dict) -> bool:

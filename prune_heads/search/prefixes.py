@@ -94,7 +94,7 @@ class SearchResult:
         return sorted(self.points, key=lambda p: p.num_heads)
 
 
-class _Evaluated:
+class Prefixes:
     """Each prefix of the unit ranking evaluated once, in the order asked (each point said as it is judged);
     coarse-grid prefixes optionally prefetched together."""
 
@@ -152,7 +152,7 @@ def search_budget(ranking: "list[tuple[int, int]] | UnitRanking", evaluator: Poi
     point that maximises ``options.objective`` in the model that ships, the largest on ties."""
     if not isinstance(ranking, UnitRanking):
         ranking = UnitRanking(head_units(ranking), len(ranking))
-    points = _Evaluated(ranking, evaluator)
+    points = Prefixes(ranking, evaluator)
     points.point(0, "baseline")
     best_k, first_fail_above = _grid(points, ranking, options)
     # Refine between the best passing size and the first failing size above it.
@@ -171,7 +171,7 @@ def search_budget(ranking: "list[tuple[int, int]] | UnitRanking", evaluator: Poi
     return result
 
 
-def _grid(points: _Evaluated, ranking: UnitRanking, options: SearchOptions) -> tuple[int, int | None]:
+def _grid(points: Prefixes, ranking: UnitRanking, options: SearchOptions) -> tuple[int, int | None]:
     """The coarse grid upwards until ``patience`` points in a row fail: (best passing size, first failing size
     above it)."""
     grid = options.grid
