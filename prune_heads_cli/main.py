@@ -20,7 +20,16 @@ from prune_heads.search.budget import METRIC_CHOICES
 from prune_heads_cli.console import learn_flags, show_core_messages, worded
 from prune_heads_cli.edge import disk_full, interrupted, terminate, unexpected, written_directory
 from prune_heads_cli.memory import install_policy
-from prune_heads_cli.options import as_rank, check_heads, common_options, csv_list, export_options, load_heads, prepare
+from prune_heads_cli.options import (
+    as_rank,
+    check_heads,
+    common_options,
+    csv_list,
+    export_options,
+    load_heads,
+    prepare,
+    probe_options,
+)
 
 # The main command's own flags, passed to Settings under their names (--no-export and --adapter are renamed).
 MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "units",
@@ -54,10 +63,7 @@ MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_
               "recipe's tolerance of the unablated model, comma-separated: passkey (retrieve a 5-digit key from "
               "filler), copy (repeat a random token sequence), text (your --guard-texts). Default: passkey,copy.")
 @click.option("--no-guard", is_flag=True, help="Turn the long-context guard off (the report says so).")
-@click.option("--guard-texts", type=click.Path(dir_okay=False), help="Your own long documents (JSONL 'text' or one "
-              "per line): the guard also bounds the next-token KL on the last quarter of each.")
-@click.option("--probe-max-length", type=click.IntRange(min=64), help="No long-context probe longer than this many "
-              "tokens (default: the recipe's lengths, within the model's context).")
+@probe_options
 @click.option("--calibrate-probes", is_flag=True, default=None, help="Score heads on the probes' prompts too, so "
               "heads active only on long contexts are not ranked dormant.")
 @click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
@@ -136,8 +142,7 @@ def score(**kw):
 @click.option("--ablate", type=click.Path(dir_okay=False), help="heads.json of heads to zero ({layer: [head, ...]}).")
 @click.option("--probes", metavar="PROBES", help="Also run these long-context probes (passkey, copy, text), unablated "
               "and with --ablate's heads, per length: probes.json.")
-@click.option("--guard-texts", type=click.Path(dir_okay=False), help="Your long documents for the probe text.")
-@click.option("--probe-max-length", type=click.IntRange(min=64), help="No probe longer than this many tokens.")
+@probe_options
 def eval_cmd(ablate, probes, guard_texts, probe_max_length, **kw):
     """Evaluate the task (MMLU 5-shot by default), optionally with heads ablated; write TASK.jsonl and summary.json
     (and probes.json with --probes)."""

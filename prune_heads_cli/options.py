@@ -106,6 +106,15 @@ def export_options(f):
     return f
 
 
+def probe_options(f):
+    """The long-context probes' inputs, shared by the main command (the guard) and ``eval --probes``."""
+    f = click.option("--probe-max-length", type=click.IntRange(min=64), help="No long-context probe longer than this "
+                     "many tokens (default: the recipe's lengths, within the model's context).")(f)
+    f = click.option("--guard-texts", type=click.Path(dir_okay=False), help="Your own long documents (JSONL 'text' or "
+                     "one per line) for the probe text: the next-token KL on the last quarter of each.")(f)
+    return f
+
+
 def _quiet_libraries() -> None:
     """--no-progress: the libraries' bars too (weights loading, GGUF conversion, downloads). transformers' GGUF
     conversion calls a plain tqdm that no switch reaches, so that module's tqdm is given disable=True."""

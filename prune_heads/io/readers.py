@@ -159,7 +159,7 @@ _Probe = Literal["passkey", "copy", "text"]
 class _Guard(_Strict):
     probes: list[_Probe] | None = None
     lengths: _per_device(Annotated[list[Annotated[StrictInt, Field(ge=64)]], Field(min_length=1)]) = None
-    prompts: dict[_Probe, PositiveInt] | None = None
+    prompts: _per_device(dict[_Probe, PositiveInt]) = None
     tolerance: dict[_Probe, StrictStr | Annotated[Number, Field(ge=0)]] | None = None
     calibrate: StrictBool | None = None
 

@@ -81,7 +81,7 @@ class Settings:
     guard_texts: str | None = None  # --guard-texts FILE: the user's long documents (the probe "text")
     probe_lengths: tuple[int, ...] = (512, 2048)  # the probes' lengths in tokens (the recipe's, for this device)
     probe_max_length: int | None = None  # --probe-max-length: no probe longer (the model's context caps them too)
-    probe_prompts: tuple[tuple[str, int], ...] = (("passkey", 8), ("copy", 2), ("text", 16))  # per probe and length
+    probe_prompts: tuple[tuple[str, int], ...] = (("passkey", 4), ("copy", 2), ("text", 16))  # per probe and length
     guard_tolerance: tuple[tuple[str, float], ...] = (("passkey", 5.0), ("copy", 5.0), ("text", 0.05))
     calibrate_probes: bool = False  # score on the probes' prompts too (beside the calibration sequences)
 
@@ -128,7 +128,10 @@ def _guard_values(rec: Recipe, device_type: str) -> dict:
     lengths = block.get("lengths", [512, 2048])
     if isinstance(lengths, dict):
         lengths = lengths.get("gpu" if device_type == "cuda" else "cpu") or Settings.probe_lengths
-    prompts = {**dict(Settings.probe_prompts), **(block.get("prompts") or {})}
+    prompts = block.get("prompts") or {}
+    if set(prompts) <= {"cpu", "gpu"}:
+        prompts = prompts.get("gpu" if device_type == "cuda" else "cpu") or {}
+    prompts = {**dict(Settings.probe_prompts), **prompts}
     tolerance = {**dict(Settings.guard_tolerance), **(block.get("tolerance") or {})}
     return {"guard": tuple(block.get("probes", Settings.guard) or ()),
             "probe_lengths": tuple(sorted(set(lengths))), "probe_prompts": tuple(prompts.items()),

@@ -128,12 +128,16 @@ class Guard:
         return cls(work, setup, baselines, time.perf_counter() - started)
 
     def check(self, target, label: str) -> GuardVerdict:
-        """Every probe with ``target`` ablated, against the unablated model."""
+        """The probes with ``target`` ablated, against the unablated model: the cheapest first, stopping at the first
+        that fails (a refused point costs only what refuses it)."""
         started = time.perf_counter()
         rows: list[ProbeComparison] = []
-        for probe, base in zip(self.setup.probes, self.baselines):
+        order = sorted(zip(self.setup.probes, self.baselines), key=lambda pb: sum(len(it.ids) for it in pb[0].items))
+        for probe, base in order:
             result = self.work.probe(probe, target, f"{probe.name}, {label}")
             rows += compare(base, result, self.setup.tolerance(probe.name), self.setup.rule)
+            if not all(r.ok for r in rows):
+                break
         self.seconds += time.perf_counter() - started
         verdict = GuardVerdict(tuple(rows))
         say(f"  long-context guard, {label}: " + ("every probe within tolerance" if verdict.ok
