@@ -100,7 +100,7 @@ def _long_context(meta: dict) -> list[str]:
     lines += [f"Long-context probes built from the tokenizer, each prompt paired with itself on the original "
               f"({g['rule']} rule: the " + ("mean" if g["rule"] == "point" else "95% interval's upper end")
               + f" change must stay within the tolerance), measured on the verified ablation{when}, which the export "
-              "equals (logit check above):", ""]
+              "equals (see Verification):", ""]
     lines += [f"- **{name}**: {PROBE_WORDS[name]}" for name in chosen["per_length"]]
     lines += ["", "| probe | tokens | prompts | original | this model | lost (text: KL) [95% CI] | tolerance |",
               "|---|---|---|---|---|---|---|"]
