@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from prune_heads.data.probes import PROBES
 from prune_heads.errors import DiskFull, UserError, is_disk_full
 from prune_heads.heads import SCORE_KEYS
 from prune_heads.search.budget import METRIC_CHOICES
@@ -32,6 +33,7 @@ from prune_heads_cli.options import (
 )
 
 # The main command's own flags, passed to Settings under their names (--no-export and --adapter are renamed).
+STUDY_PROBE_PROMPTS = 16  # a study on a probe: prompts per length (the guard reads fewer: it pairs, not ranks)
 MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "units",
               "objective", "decision", "confirm", "confirm_fraction", "gqa", "heal_steps", "heal_data",
               "heal_in_search", "guard_texts", "probe_max_length", "calibrate_probes")
@@ -221,17 +223,40 @@ def compare(model_a, model_b, study_a, study_b, **kw):
               "each threshold selects.")
 @click.option("--modes", default="dynamic,static,random", show_default=True, help="Ablation modes: dynamic (per "
               "input, the paper's), static (heads fixed from the calibration set), random (baseline).")
-def study(budget, functions, percents, modes, **kw):
+@click.option("--probe", type=click.Choice(PROBES), help="Judge the curves by a long-context probe instead of the "
+              "task: passkey (keys read back), copy (repeats predicted) or text (--guard-texts' next tokens).")
+@click.option("--probe-prompts", type=click.IntRange(min=2), help="With --probe: prompts per length (default "
+              f"{STUDY_PROBE_PROMPTS}).")
+@probe_options
+def study(budget, functions, percents, modes, probe, probe_prompts, guard_texts, probe_max_length, **kw):
     """Reproduce the paper's comparison of score functions on one model: accuracy vs % of heads zeroed per
-    function (dynamic, static, random), max % within budget, AUC and ranking: study.json, study.md, PNGs."""
-    from prune_heads.report.study import check_study_args
+    function (dynamic, static, random), max % within budget, AUC and ranking: study.json, study.md, PNGs. With
+    --probe, the same comparison judged by long-context retrieval or copying."""
+    from prune_heads.report.study import StudyPlan, check_study_args
     from prune_heads_cli.measure import run_study
 
     funcs = list(SCORE_KEYS) if functions.strip().lower() == "all" else csv_list(functions, "functions")
     percent_values, mode_names = csv_list(percents, "percents", float), csv_list(modes, "modes")
     check_study_args(funcs, percent_values, mode_names)
-    settings, inputs = prepare(kw, budget=budget, metric="accuracy")
-    run_study(settings, inputs, kw["out"], kw["force"], funcs, percent_values, mode_names)
+    settings, inputs = prepare(kw, budget=budget, metric="accuracy", **_study_probe(probe, probe_prompts, guard_texts,
+                                                                                     probe_max_length))
+    plan = StudyPlan(funcs, tuple(percent_values), tuple(mode_names), settings.budget.limit, settings.seed)
+    run_study(settings, inputs, kw["out"], kw["force"], plan, probe)
+
+
+def _study_probe(probe: str | None, prompts: int | None, guard_texts: str | None, max_length: int | None) -> dict:
+    """The settings a study on a probe needs (the probe, its prompts per length and inputs); none without one."""
+    if not probe:
+        if prompts or guard_texts or max_length:
+            raise UserError("--probe-prompts, --guard-texts and --probe-max-length go with --probe; add --probe "
+                            "passkey, copy or text")
+        return {}
+    if guard_texts and probe != "text":
+        raise UserError(f"--guard-texts feeds the probe text, not {probe}; pass --probe text")
+    if probe == "text" and not guard_texts:
+        raise UserError("--probe text reads your own long documents; pass them with --guard-texts FILE")
+    return {"guard": (probe,), "guard_texts": guard_texts, "probe_max_length": max_length,
+            "probe_prompts": ((probe, prompts or STUDY_PROBE_PROMPTS),)}
 
 
 @cli.command()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prune_heads.console import say
+from prune_heads.console import say, warn
 from prune_heads.data.tasks import task_format
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
 from prune_heads.eval.work import Work
@@ -17,6 +17,8 @@ from prune_heads.pipeline.settings import Settings
 from prune_heads.pipeline.stages import Run, load, open_run, score, warn_chance
 from prune_heads.report import plots
 from prune_heads.report.report import scores_payload, versions, write_eval_outputs
+from prune_heads.report.study import StudyPlan
+from prune_heads.report.study_tasks import ProbeStudy, TaskStudy
 from prune_heads_cli.commands import run_identity
 from prune_heads_cli.console import worded
 
@@ -125,31 +127,38 @@ def run_compare(pair: tuple[tuple[Settings, Inputs], tuple[Settings, Inputs]], o
     return result
 
 
-def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, functions: list[str], percents: list[float],
-              modes: list[str]) -> dict:
+def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, plan: StudyPlan,
+              probe: str | None = None) -> dict:
     """``prune-heads study``: every score function's accuracy curve under dynamic, static and random ablation,
-    the largest % of heads within budget, the normalised AUC, and the ranking (study.py)."""
-    from prune_heads.report.study import StudyEvaluator, StudyPlan, study_curves
+    the largest % of heads within budget, the normalised AUC, and the ranking (study.py), on the task or, with
+    ``probe``, on a long-context probe (the share of keys retrieved, of repeated tokens predicted)."""
+    from prune_heads.report.study import study_curves
 
     # The functions, percents and modes are left out: a study resumed with more of them extends the same study.
-    identity = run_identity("study", settings, inputs)
+    identity = run_identity("study", settings, inputs, **({"probe": probe} if probe else {}))
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
-        run = open_run(settings, inputs, staged)
-        say(f"study of {run.lm.source.spec} on {settings.task} ({len(run.enc)} questions): {len(functions)} "
-             f"functions x {len(percents)} percents, modes {', '.join(modes)}")
-        eval_scores, calib_scores, calib = _study_scores(run)
-        baseline = run.work.evaluate(run.enc, None, "unablated")
-        warning = warn_chance(baseline, "accuracy", settings.task)
-        plan = StudyPlan(functions, tuple(percents), tuple(modes), settings.budget.limit, settings.seed)
-        result = study_curves(StudyEvaluator(run.work, run.enc, baseline), eval_scores, calib_scores, plan)
-        payload = {"model": run.lm.source.to_json(), "task": settings.task, "settings": settings.to_json(),
-                   "versions": versions(), "calibration": calib, "functions": functions, "percents": list(percents),
-                   "modes": list(modes), "seed": settings.seed, "baseline": accuracy_summary(baseline),
+        run = open_run(settings, inputs, staged, encode=probe is None)
+        task, eval_scores, calib_scores, calib = _probe_study(run, probe) if probe else _task_study(run)
+        what = f"the {probe} probe" if probe else settings.task
+        say(f"study of {run.lm.source.spec} on {what} ({task.inputs} {task.unit}): {len(plan.functions)} "
+            f"functions x {len(plan.percents)} percents, modes {', '.join(plan.modes)}")
+        warning = _probe_floor(task, plan) if probe else warn_chance(task.baseline, "accuracy", settings.task)
+        result = study_curves(task, eval_scores, calib_scores, plan)
+        payload = {"model": run.lm.source.to_json(), "task": f"probe:{probe}" if probe else settings.task,
+                   "settings": settings.to_json(), "versions": versions(), "calibration": calib,
+                   "functions": plan.functions, "percents": list(plan.percents), "modes": list(plan.modes),
+                   "seed": settings.seed, "baseline": _study_baseline(task, probe),
                    "warnings": [worded(w) for w in [warning] if w], **result, "cache": run.work.cache.stats}
-        _write_study(run, payload, result)
+        _write_study(run, payload, what)
     best = ", ".join(f"{m}: {f}" for m, f in result["best"].items())
     say(f"study written to {out} (best function {best})", fg="green")
     return payload
+
+
+def _task_study(run: Run) -> tuple[TaskStudy, ScoreTable, ScoreTable, str]:
+    """The task's questions: scores per prompt, and the unablated baseline."""
+    eval_scores, calib_scores, calib = _study_scores(run)
+    return TaskStudy(run.work, run.enc, run.work.evaluate(run.enc, None, "unablated")), eval_scores, calib_scores, calib
 
 
 def _study_scores(run: Run) -> tuple[ScoreTable, ScoreTable, str]:
@@ -173,13 +182,50 @@ def _study_scores(run: Run) -> tuple[ScoreTable, ScoreTable, str]:
     return eval_scores, calib_scores, f"{len(rows)} of the evaluation prompts (round-robin over subjects)"
 
 
-def _write_study(run: Run, payload: dict, result: dict) -> None:
+def _probe_study(run: Run, name: str) -> tuple[ProbeStudy, ScoreTable, ScoreTable, str]:
+    """A long-context probe at the run's lengths: each prompt scored without its target (what the model reads before
+    it answers), the static selections calibrated on the same prompts unless a calibration file is given."""
+    from prune_heads.pipeline.inputs import calibration_sequences
+    from prune_heads.pipeline.stages import probes_for
+
+    probe = probes_for(run, (name,))[0]
+    eval_scores = run.work.scores([list(it.ids[: len(it.ids) - it.target]) for it in probe.items])
+    baseline = run.work.probe(probe, None, f"{name} unablated")
+    say(f"{name} unablated: {baseline.describe()}")
+    if run.inputs.calibration is not None:
+        seqs, calib = calibration_sequences(run.lm, run.settings, run.inputs, None)
+        calib_scores = run.work.scores(seqs)
+    else:
+        calib_scores, calib = eval_scores, f"the probe's {len(probe.items)} prompts (without their targets)"
+    return ProbeStudy(run.work, probe, baseline), eval_scores, calib_scores, calib
+
+
+def _probe_floor(task: ProbeStudy, plan: StudyPlan) -> str | None:
+    """A probe the unablated model already fails leaves no curve to judge."""
+    accuracy = 100 * task.baseline.accuracy
+    if accuracy > plan.budget_points:
+        return None
+    warning = (f"the unablated model scores {accuracy:.1f}% {task.measure} on the {task.probe.name} probe, within the "
+               f"{plan.budget_points:g} pt budget of nothing: this study cannot tell the score functions apart; probe "
+               "shorter lengths (`probe_max_length`) or study a model that passes the probe")
+    warn(warning)
+    return warning
+
+
+def _study_baseline(task: "TaskStudy | ProbeStudy", probe: str | None) -> dict:
+    if not probe:
+        return accuracy_summary(task.baseline)
+    return {"accuracy": round(task.baseline.accuracy, 6), "n": task.inputs,
+            "by_length": task.baseline.by_length(), **task.probe.to_json()}
+
+
+def _write_study(run: Run, payload: dict, what: str) -> None:
     from prune_heads.report.study import markdown
 
-    spec, task, stage = run.lm.source.spec, run.settings.task, run.stage
+    spec, stage, measure = run.lm.source.spec, run.stage, payload["measure"]
     write_json(stage / "study.json", payload)
-    write_text(stage / "study.md", markdown(result, spec, task))
-    plots.study_curves(result, stage / "study_curves.png", f"{spec} on {task}: accuracy vs heads zeroed per score "
+    write_text(stage / "study.md", markdown(payload, spec, what))
+    plots.study_curves(payload, stage / "study_curves.png", f"{spec} on {what}: {measure} vs heads zeroed per score "
                        "function (legend: max % within budget)")
-    plots.study_ranking(result, stage / "study_ranking.png", f"{spec}: score functions ranked by max % of heads "
-                        f"within {run.settings.budget.limit:g} pt")
+    plots.study_ranking(payload, stage / "study_ranking.png", f"{spec}: score functions ranked by max % of heads "
+                        f"within {run.settings.budget.limit:g} pt of {measure}")

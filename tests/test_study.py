@@ -10,6 +10,7 @@ from tiny import run_cli, save_tiny
 from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult
+from prune_heads.eval.work import Work
 from prune_heads.heads import ScoreTable
 from prune_heads.report.study import StudyPlan, max_within, normalised_auc, study_curves, thresholds
 
@@ -64,9 +65,14 @@ def test_study_curves_dynamic_masks_equal_a_naive_loop_and_the_ranking_follows_t
     class Evaluator:
         baseline = result_from_mask(torch.ones(L, H))
 
+        inputs, unit, measure = N, "questions", "accuracy"
+
         def evaluate(self, mask, label):
             calls.append((label, mask.clone()))
             return result_from_mask(mask)
+
+        def measures(self, result):
+            return {"agreement": float((result.pred == self.baseline.pred).double().mean())}
 
     plan = StudyPlan(["ahon", "awft"], (0, 25, 50), ("dynamic", "static", "random"), budget_points=10.0)
     study = study_curves(Evaluator(), table, table, plan)
@@ -186,7 +192,7 @@ def test_study_on_another_task(model_dir, tmp_path, capsys):
 def _curve(function: str, correct_by_zeroed: dict[float, torch.Tensor]):
     from prune_heads.report.study import Curve, StudyPoint
 
-    points = [StudyPoint(function, "static", x, None, x, float(c.mean()), {}, 0.0, 1.0, c.double())
+    points = [StudyPoint(function, "static", x, None, x, float(c.mean()), {}, {}, c.double())
               for x, c in correct_by_zeroed.items()]
     return (function, "static"), Curve(function, "static", points)
 
@@ -219,3 +225,72 @@ def test_bootstrap_interval_equals_a_naive_resample_and_says_which_functions_tie
     assert rows["ahon"]["indistinguishable_from"] == ["ahon_ln"] and rows["awft"]["indistinguishable_from"] == []
     table = markdown(study, "m", "mmlu")
     assert "(~ 2)" in table and "bootstrap over questions" in table
+
+
+# --- a long-context probe as the study's task ---------------------------------------------------------------------
+
+
+def test_a_probe_read_with_one_mask_per_prompt_equals_each_prompt_read_alone_with_its_own():
+    from tiny import tiny_model
+
+    from prune_heads.data.probes import ProbeSet, copy_probe, passkey_probe
+    from prune_heads.eval.probes import METRIC_FIELDS, probe_pass
+
+    lm = tiny_model("llama")
+    geo = lm.arch.geometries(lm.model)
+    layers, heads = len(geo), geo[0].num_heads
+    for probe in (passkey_probe(lm, (256,), 3, seed=1), copy_probe(lm, (128,), 3, seed=1)):
+        masks = (torch.rand(len(probe.items), layers, heads, generator=torch.Generator().manual_seed(2)) > 0.4).float()
+        together = probe_pass(lm, probe, masks)
+        for i, item in enumerate(probe.items):
+            alone = probe_pass(lm, ProbeSet(probe.name, (item,), probe.metric), masks[i])
+            for f in METRIC_FIELDS:
+                assert getattr(together, f)[i] == getattr(alone, f)[0], (probe.name, i, f)
+        assert not torch.equal(together.nll, probe_pass(lm, probe, None).nll)  # the masks did zero something
+
+
+def test_study_on_a_probe_judges_each_point_by_the_probe_read_under_its_masks(model_dir, tmp_path, capsys):
+    from tiny import tiny_model
+
+    from prune_heads.data.probes import copy_probe
+    from prune_heads.eval.probes import probe_pass
+    from prune_heads.plan.ablation import dynamic_masks
+
+    out = tmp_path / "copy-study"
+    code, _, err = run_cli(["study", "--model", model_dir, "--probe", "copy", "--probe-max-length", "128",
+                            "--probe-prompts", "3", "--functions", "ahon,awft", "--percents", "0,20,40", "--modes",
+                            "dynamic,static,random", "--dtype", "float32", "--out", out, "--no-progress"], capsys)
+    assert code == 0, err
+    study = json.loads((out / "study.json").read_text())
+    assert study["task"] == "probe:copy" and study["inputs"] == 3 and study["unit"] == "prompts"
+    assert study["measure"] == "repeated tokens predicted" and study["baseline"]["prompts"] == {"128": 3}
+    assert study["calibration"] == "the probe's 3 prompts (without their targets)"
+    assert study["settings"]["guard"] == ["copy"] and set(study["ranking"]) == {"dynamic", "static", "random"}
+    # A random model copies nothing: the study says it cannot tell functions apart, on the terminal and in the file.
+    assert "cannot tell the score functions apart" in err and len(study["warnings"]) == 1
+    assert "--probe-max-length" in study["warnings"][0]
+    md = (out / "study.md").read_text()
+    assert "the copy probe, 3 prompts; unablated repeated tokens predicted" in md and "bootstrap over prompts" in md
+    # Every dynamic point equals the probe read prompt by prompt under the masks its own scores give.
+    lm = tiny_model("mistral")
+    probe = copy_probe(lm, (128,), 3, seed=0)
+    per_input = Work(lm, None, progress=False).scores([list(it.ids[:-it.target]) for it in probe.items])
+    curve = next(r for r in study["curves"] if r["function"] == "ahon" and r["mode"] == "dynamic")
+    for point in curve["points"][1:]:
+        masks = dynamic_masks(per_input.per_input["ahon"], point["threshold"], "low")
+        ref = probe_pass(lm, probe, masks)
+        assert point["accuracy"] == pytest.approx(float(ref.token_accuracy.mean()), abs=1e-6)
+        assert point["nll_nats"] == pytest.approx(float(ref.nll.mean()), abs=1e-5)
+        assert point["accuracy_by_length"] == {"128": pytest.approx(float(ref.token_accuracy.mean()), abs=1e-6)}
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--probe-prompts", "4"], "go with --probe; add --probe passkey, copy or text"),
+    (["--probe", "text"], "--probe text reads your own long documents; pass them with --guard-texts FILE"),
+    (["--probe", "passkey", "--guard-texts", "README.md"], "feeds the probe text, not passkey; pass --probe text"),
+    (["--probe", "keys"], "Invalid value for '--probe'"),
+    (["--probe", "copy", "--probe-prompts", "1"], "Invalid value for '--probe-prompts'"),
+])
+def test_bad_probe_flags_of_a_study_are_one_line_errors(model_dir, tmp_path, capsys, flags, expect):
+    code, _, err = run_cli(["study", "--model", model_dir, "--out", tmp_path / "s", *flags], capsys)
+    assert code == 2 and expect in err and not (tmp_path / "s").exists()

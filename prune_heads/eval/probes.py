@@ -77,8 +77,10 @@ def _target_logits(lm: LoadedModel, item: ProbeItem) -> torch.Tensor:
 @torch.no_grad()
 def probe_pass(lm: LoadedModel, probe: ProbeSet, masks: "HeadSet | PrunePlan | torch.Tensor | None",
                progress: bool = False, label: str = "") -> ProbeResult:
-    """Every item of ``probe`` read with ``masks`` ablated (None: the model as it is)."""
+    """Every item of ``probe`` read with ``masks`` ablated (None: the model as it is); a ``[N, L, H]`` tensor holds
+    one mask per item (study's dynamic ablation)."""
     n = len(probe.items)
+    per_item = isinstance(masks, torch.Tensor) and masks.dim() == 3
     values = {f: torch.zeros(n, dtype=torch.float64) for f in METRIC_FIELDS}
     ablated = masks is not None and not (isinstance(masks, HeadSet) and not masks)
     with HeadAblation(lm) as abl:
@@ -88,7 +90,7 @@ def probe_pass(lm: LoadedModel, probe: ProbeSet, masks: "HeadSet | PrunePlan | t
             if probe.metric == "kl" and ablated:
                 abl.set_mask(None)
                 reference = _target_logits(lm, item)
-            abl.set_mask(masks if ablated else None)
+            abl.set_mask((masks[i] if per_item else masks) if ablated else None)
             logp = _target_logits(lm, item)
             hits = (logp.argmax(-1) == gold).double()
             values["nll"][i] = float(-logp.gather(-1, gold[:, None]).double().mean())

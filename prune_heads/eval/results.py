@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -120,7 +121,16 @@ def agreement(ablated: EvalResult, baseline: EvalResult) -> float:
     return float((ablated.pred == baseline.pred).double().mean())
 
 
-def paired_delta(ablated: EvalResult, baseline: EvalResult, z: float = 1.96) -> PairedDelta:
+class Judged(Protocol):
+    """Anything judged item by item: ``correct`` is 1.0/0.0 per question, or a share per prompt (a probe's token
+    accuracy)."""
+
+    @property
+    def correct(self) -> torch.Tensor: ...
+
+
+def paired_delta(ablated: Judged, baseline: Judged, z: float = 1.96) -> PairedDelta:
+    """Ablated minus baseline, item by item, in points, with a normal 95% interval."""
     d = (ablated.correct - baseline.correct) * 100.0
     n = d.numel()
     mean = float(d.mean())

@@ -178,7 +178,7 @@ def study_curves(study: dict, path: Path, title: str = "") -> Path:
         ax.set_xlabel("% of heads zeroed (mean over inputs)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][0].set_ylabel(f"{study.get('measure', 'accuracy')} (%)")
     fig.suptitle(title or "accuracy vs heads zeroed, per score function (legend: max % within budget)", fontsize=10)
     fig.tight_layout()
     return _save(fig, path)

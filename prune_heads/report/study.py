@@ -8,8 +8,10 @@ direction: for ``awft`` a high score marks a dormant head). Three ablation modes
 - static: the p% most dormant heads by the calibration-set mean score, fixed for every input;
 - random: p% of heads drawn at random (one seeded permutation, so the sets grow with p), a baseline.
 
-Each (function, percent, mode) point records the % of heads actually zeroed (mean over inputs) and the task's
-accuracy. Per function and mode: the largest % zeroed within the budget, by linear interpolation along the curve
+Each (function, percent, mode) point records the % of heads actually zeroed (mean over inputs) and the accuracy on
+what the study judges by (study_tasks.py): a multiple-choice task (the paper's MMLU), or a long-context probe (the
+share of pass keys read back, of repeated tokens predicted), so the comparison can be repeated for retrieval.
+Per function and mode: the largest % zeroed within the budget, by linear interpolation along the curve
 (the last crossing of baseline - budget), and the normalised area under the accuracy curve (trapezoid area / x
 range). Functions are ranked by the first, then the second. The max % comes with a 95% bootstrap interval over
 questions, and the ranking says which functions cannot be told apart on these questions. Every evaluation is
@@ -24,12 +26,11 @@ import torch
 
 from prune_heads.console import say
 from prune_heads.errors import UserError
-from prune_heads.eval.encoding import EncodedTask
-from prune_heads.eval.results import EvalResult, agreement, answer_kl, paired_delta
-from prune_heads.eval.work import Work
+from prune_heads.eval.results import Judged, paired_delta
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from prune_heads.io.readers import read_json
 from prune_heads.plan.ablation import dynamic_masks
+from prune_heads.report.study_tasks import StudyTask
 
 DEFAULT_PERCENTS = (0, 5, 10, 15, 20, 25, 30)
 MODES = ("dynamic", "static", "random")
@@ -83,16 +84,15 @@ class StudyPoint:
     zeroed: float  # % of heads actually zeroed, mean over inputs
     accuracy: float
     delta: dict
-    kl: float
-    agreement: float
-    correct: torch.Tensor | None = field(default=None, repr=False)  # per question, 1.0 where right (the bootstrap's)
+    measures: dict  # the task's other figures against the unablated model (answer KL and agreement, probe losses)
+    correct: torch.Tensor | None = field(default=None, repr=False)  # per input, 1.0 where right (the bootstrap's)
 
     def to_json(self) -> dict:
         thr = self.threshold
         return {"function": self.function, "mode": self.mode, "percent": self.percent,
                 "threshold": None if thr is None or abs(thr) == float("inf") else round(thr, 8),
                 "zeroed_percent": round(self.zeroed, 4), "accuracy": round(self.accuracy, 6), **self.delta,
-                "kl_answer_nats": round(self.kl, 6), "agreement": round(self.agreement, 6)}
+                **self.measures}
 
 
 @dataclass
@@ -106,19 +106,9 @@ class Curve:
         return [p.zeroed for p in pts], [100 * p.accuracy for p in pts]
 
 
-def _point(function, mode, percent, threshold, zeroed, result: EvalResult, baseline: EvalResult) -> StudyPoint:
-    return StudyPoint(
-        function,
-        mode,
-        percent,
-        threshold,
-        zeroed,
-        result.accuracy,
-        paired_delta(result, baseline).to_json(),
-        float(answer_kl(result, baseline).mean()),
-        agreement(result, baseline),
-        result.correct,
-    )
+def _point(function, mode, percent, threshold, zeroed, result: Judged, task: StudyTask) -> StudyPoint:
+    return StudyPoint(function, mode, percent, threshold, zeroed, float(result.correct.mean()),
+                      paired_delta(result, task.baseline).to_json(), task.measures(result), result.correct)
 
 
 def check_study_args(functions: list[str], percents, modes) -> None:
@@ -145,18 +135,7 @@ class StudyPlan:
     seed: int = 0
 
 
-class StudyEvaluator:
-    """The task under a head mask, cached by the run's work: a [L, H] mask (one head set for every input) or a
-    [N, L, H] mask (one per input); and the unablated baseline."""
-
-    def __init__(self, work: Work, enc: EncodedTask, baseline: EvalResult):
-        self.work, self.enc, self.baseline = work, enc, baseline
-
-    def evaluate(self, mask: torch.Tensor, label: str) -> EvalResult:
-        return self.work.evaluate(self.enc, mask, label)
-
-
-def study_curves(evaluator: StudyEvaluator, eval_scores: ScoreTable, calib_scores: ScoreTable,
+def study_curves(evaluator: StudyTask, eval_scores: ScoreTable, calib_scores: ScoreTable,
                  plan: StudyPlan) -> dict:
     """``eval_scores``: per-input scores on the evaluation inputs, in question order (dynamic thresholds and masks);
     ``calib_scores``: the calibration set (static selections). Every point is said as it is evaluated."""
@@ -168,7 +147,7 @@ def study_curves(evaluator: StudyEvaluator, eval_scores: ScoreTable, calib_score
         for mode in plan.modes:
             if mode == "random":
                 continue
-            _add(curves, _point(function, mode, 0, None, 0.0, baseline, baseline))
+            _add(curves, _point(function, mode, 0, None, 0.0, baseline, evaluator))
             if mode == "dynamic":
                 _dynamic_curve(evaluator, curves, function, eval_scores.per_input[function], plan.percents)
             else:
@@ -177,10 +156,12 @@ def study_curves(evaluator: StudyEvaluator, eval_scores: ScoreTable, calib_score
     if "random" in plan.modes:
         total = layers * heads
         order = torch.randperm(total, generator=torch.Generator().manual_seed(plan.seed)).tolist()
-        _add(curves, _point("random", "random", 0, None, 0.0, baseline, baseline))
+        _add(curves, _point("random", "random", 0, None, 0.0, baseline, evaluator))
         _static_curve(evaluator, curves, "random", [(i // heads, i % heads) for i in order], plan.percents,
                       (layers, heads))
-    return summarise(curves, baseline.accuracy, plan.budget_points, num_inputs, baseline.correct, plan.seed)
+    summary = summarise(curves, float(baseline.correct.mean()), plan.budget_points, num_inputs, baseline.correct,
+                        plan.seed)
+    return {**summary, "unit": evaluator.unit, "measure": evaluator.measure}
 
 
 def _add(curves: dict[tuple[str, str], Curve], point: StudyPoint) -> None:
@@ -190,7 +171,7 @@ def _add(curves: dict[tuple[str, str], Curve], point: StudyPoint) -> None:
             f"{100 * point.accuracy:6.2f}%  delta {point.delta['delta_points']:+.2f} pt")
 
 
-def _dynamic_curve(evaluator: StudyEvaluator, curves: dict, function: str, per_input: torch.Tensor,
+def _dynamic_curve(evaluator: StudyTask, curves: dict, function: str, per_input: torch.Tensor,
                    percents) -> None:
     """On each input, the heads whose score on that input passes the threshold of p% are zeroed."""
     direction = score_direction(function)
@@ -200,10 +181,10 @@ def _dynamic_curve(evaluator: StudyEvaluator, curves: dict, function: str, per_i
         masks = dynamic_masks(per_input, thr, direction)  # [N, L, H], 1 keeps a head
         zeroed = 100 * float((masks == 0).double().mean())
         res = evaluator.evaluate(masks, f"{function} dynamic {p:g}%")
-        _add(curves, _point(function, "dynamic", p, thr, zeroed, res, evaluator.baseline))
+        _add(curves, _point(function, "dynamic", p, thr, zeroed, res, evaluator))
 
 
-def _static_curve(evaluator: StudyEvaluator, curves: dict, function: str, order: list[tuple[int, int]], percents,
+def _static_curve(evaluator: StudyTask, curves: dict, function: str, order: list[tuple[int, int]], percents,
                   grid: tuple[int, int]) -> None:
     """The first p% of ``order`` (a ranking by calibration score, or a random order) zeroed for every input."""
     layers, heads = grid
@@ -216,7 +197,7 @@ def _static_curve(evaluator: StudyEvaluator, curves: dict, function: str, order:
         hs = HeadSet.from_pairs(order[:k])
         label = f"random {p:g}%" if mode == "random" else f"{function} static {p:g}%"
         res = evaluator.evaluate(hs.mask(layers, heads), label)
-        _add(curves, _point(function, mode, p, None, 100 * k / total, res, evaluator.baseline))
+        _add(curves, _point(function, mode, p, None, 100 * k / total, res, evaluator))
 
 
 def summarise(curves: dict[tuple[str, str], Curve], baseline_accuracy: float, budget_points: float, inputs: int,
@@ -249,7 +230,7 @@ def summarise(curves: dict[tuple[str, str], Curve], baseline_accuracy: float, bu
         summary["ranking"][mode] = [r["function"] for r in ordered]
     if boot is not None:
         summary["bootstrap"] = {"resamples": int(next(iter(boot.values())).numel()), "seed": seed,
-                                "over": "questions (x values held at their full-sample zeroed %)"}
+                                "over": "inputs (x values held at their full-sample zeroed %)"}
     summary["best"] = {mode: names[0] for mode, names in summary["ranking"].items() if names and mode != "random"}
     return summary
 
@@ -289,16 +270,17 @@ def markdown(study: dict, model: str, task: str) -> str:
         {r["function"] for r in study["curves"] if r["mode"] != "random"},
         key=lambda f: rows.get((f, modes[0]), {}).get("rank", 0) if modes else 0,
     )
+    unit, measure = study.get("unit", "questions"), study.get("measure", "accuracy")
     lines = [
         f"# Score functions on {model}",
         "",
-        f"{task}, {study['inputs']} questions; unablated accuracy {100 * study['baseline_accuracy']:.2f}%; budget "
+        f"{task}, {study['inputs']} {unit}; unablated {measure} {100 * study['baseline_accuracy']:.2f}%; budget "
         f"{study['budget_points']:g} pt. *max %*: the largest % of heads zeroed within the budget (linear "
-        "interpolation along the curve); *AUC*: mean accuracy (%) over the zeroed range.",
+        f"interpolation along the curve); *AUC*: mean {measure} (%) over the zeroed range.",
         "",
     ]
     if "bootstrap" in study:
-        lines += [f"Intervals: 95% bootstrap over questions ({study['bootstrap']['resamples']} resamples); *~ ranks*: "
+        lines += [f"Intervals: 95% bootstrap over {unit} ({study['bootstrap']['resamples']} resamples); *~ ranks*: "
                   "the functions this one cannot be told apart from (their paired difference's interval contains 0).",
                   ""]
     head = "| function |" + "".join(f" {m} max % | {m} AUC | {m} rank |" for m in modes)

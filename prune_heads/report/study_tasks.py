@@ -1,0 +1,88 @@
+"""What a study judges its curves by: a multiple-choice task (the paper's MMLU) or a long-context probe (pass-key
+retrieval, copying, the user's own texts), behind one interface (``StudyTask``): the unablated ``baseline``,
+``evaluate(mask, label)`` under a ``[L, H]`` mask (one head set for every input) or a ``[N, L, H]`` mask (one per
+input), and ``measures(result)``, the point's other figures against the baseline. Both are cached by the run's work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from prune_heads.data.probes import ProbeSet
+from prune_heads.eval.encoding import EncodedTask
+from prune_heads.eval.probes import ProbeResult
+from prune_heads.eval.results import EvalResult, Judged, agreement, answer_kl
+from prune_heads.eval.work import Work
+
+# What each probe's study accuracy is: a greedy key match, or the share of target tokens predicted.
+PROBE_ACCURACY = {"passkey": "match", "copy": "token_accuracy", "text": "token_accuracy"}
+PROBE_MEASURE = {"passkey": "keys retrieved", "copy": "repeated tokens predicted", "text": "next tokens predicted"}
+
+
+class StudyTask(Protocol):
+    baseline: Judged
+    inputs: int  # how many questions or prompts
+    unit: str  # what they are called ("questions", "prompts")
+    measure: str  # what the accuracy counts ("accuracy", "keys retrieved", ...)
+
+    def evaluate(self, mask: torch.Tensor, label: str) -> Judged: ...
+
+    def measures(self, result) -> dict: ...
+
+
+class TaskStudy:
+    """A multiple-choice task: accuracy, the answer KL from the unablated model and the answers' agreement."""
+
+    def __init__(self, work: Work, enc: EncodedTask, baseline: EvalResult):
+        self.work, self.enc, self.baseline = work, enc, baseline
+        self.inputs, self.unit, self.measure = len(enc), "questions", "accuracy"
+
+    def evaluate(self, mask: torch.Tensor, label: str) -> EvalResult:
+        return self.work.evaluate(self.enc, mask, label)
+
+    def measures(self, result: EvalResult) -> dict:
+        return {"kl_answer_nats": round(float(answer_kl(result, self.baseline).mean()), 6),
+                "agreement": round(agreement(result, self.baseline), 6)}
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """A probe's result judged as a study judges it: ``correct`` per prompt is its key match (passkey) or its share of
+    target tokens predicted (copy, text)."""
+
+    result: ProbeResult
+
+    @property
+    def correct(self) -> torch.Tensor:
+        return getattr(self.result, PROBE_ACCURACY[self.result.probe.name])
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.correct.mean())
+
+    def by_length(self) -> dict[str, float]:
+        lengths = torch.tensor([it.length for it in self.result.probe.items])
+        return {str(n): round(float(self.correct[lengths == n].mean()), 6) for n in self.result.probe.lengths}
+
+
+class ProbeStudy:
+    """A long-context probe: the accuracy per length, the target tokens' loss and its change from the unablated
+    model (nats per token), and for the user's texts the next-token KL from it."""
+
+    def __init__(self, work: Work, probe: ProbeSet, baseline: ProbeResult):
+        self.work, self.probe = work, probe
+        self.baseline = ProbeOutcome(baseline)
+        self.inputs, self.unit, self.measure = len(probe.items), "prompts", PROBE_MEASURE[probe.name]
+
+    def evaluate(self, mask: torch.Tensor, label: str) -> ProbeOutcome:
+        return ProbeOutcome(self.work.probe(self.probe, mask, label))
+
+    def measures(self, outcome: ProbeOutcome) -> dict:
+        res, base = outcome.result, self.baseline.result
+        out = {"accuracy_by_length": outcome.by_length(), "nll_nats": round(float(res.nll.mean()), 6),
+               "nll_change_nats": round(float((res.nll - base.nll).mean()), 6)}
+        if self.probe.metric == "kl":
+            out["kl_text_nats"] = round(float(res.kl.mean()), 6)
+        return out
