@@ -147,7 +147,7 @@ def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, plan: 
         payload = {"model": run.lm.source.to_json(), "task": f"probe:{probe}" if probe else settings.task,
                    "settings": settings.to_json(), "versions": versions(), "calibration": calib,
                    "functions": plan.functions, "percents": list(plan.percents), "modes": list(plan.modes),
-                   "seed": settings.seed, "baseline": _study_baseline(task, probe),
+                   "seed": settings.seed, "baseline": task.baseline_summary(),
                    "warnings": [worded(w) for w in [warning] if w], **result, "cache": run.work.cache.stats}
         _write_study(run, payload, what)
     best = ", ".join(f"{m}: {f}" for m, f in result["best"].items())
@@ -210,13 +210,6 @@ def _probe_floor(task: ProbeStudy, plan: StudyPlan) -> str | None:
                "shorter lengths (`probe_max_length`) or study a model that passes the probe")
     warn(warning)
     return warning
-
-
-def _study_baseline(task: "TaskStudy | ProbeStudy", probe: str | None) -> dict:
-    if not probe:
-        return accuracy_summary(task.baseline)
-    return {"accuracy": round(task.baseline.accuracy, 6), "n": task.inputs,
-            "by_length": task.baseline.by_length(), **task.probe.to_json()}
 
 
 def _write_study(run: Run, payload: dict, what: str) -> None:

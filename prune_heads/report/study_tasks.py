@@ -13,7 +13,7 @@ import torch
 from prune_heads.data.probes import ProbeSet
 from prune_heads.eval.encoding import EncodedTask
 from prune_heads.eval.probes import ProbeResult
-from prune_heads.eval.results import EvalResult, Judged, agreement, answer_kl
+from prune_heads.eval.results import EvalResult, Judged, accuracy_summary, agreement, answer_kl
 from prune_heads.eval.work import Work
 
 # What each probe's study accuracy is: a greedy key match, or the share of target tokens predicted.
@@ -41,6 +41,9 @@ class TaskStudy:
 
     def evaluate(self, mask: torch.Tensor, label: str) -> EvalResult:
         return self.work.evaluate(self.enc, mask, label)
+
+    def baseline_summary(self) -> dict:
+        return accuracy_summary(self.baseline)
 
     def measures(self, result: EvalResult) -> dict:
         return {"kl_answer_nats": round(float(answer_kl(result, self.baseline).mean()), 6),
@@ -78,6 +81,10 @@ class ProbeStudy:
 
     def evaluate(self, mask: torch.Tensor, label: str) -> ProbeOutcome:
         return ProbeOutcome(self.work.probe(self.probe, mask, label))
+
+    def baseline_summary(self) -> dict:
+        return {"accuracy": round(self.baseline.accuracy, 6), "n": self.inputs,
+                "by_length": self.baseline.by_length(), **self.probe.to_json()}
 
     def measures(self, outcome: ProbeOutcome) -> dict:
         res, base = outcome.result, self.baseline.result
