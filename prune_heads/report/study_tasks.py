@@ -31,6 +31,8 @@ class StudyTask(Protocol):
 
     def measures(self, result) -> dict: ...
 
+    def baseline_summary(self) -> dict: ...  # the unpruned model's figures for study.json
+
 
 class TaskStudy:
     """A multiple-choice task: accuracy, the answer KL from the unablated model and the answers' agreement."""
