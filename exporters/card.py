@@ -109,6 +109,25 @@ def _long_context(meta: dict) -> list[str]:
     return lines + [""]
 
 
+def _vllm_section(meta: dict) -> list[str]:
+    v = meta.get("vllm")
+    if not v:
+        return []
+    if not v.get("verified"):
+        return [f"Not run in vLLM when written ({v.get('why_not')}).", ""]
+    rt, sp = v["unpruned"], v.get("speed") or {}
+    lines = [f"Run in vLLM {v['vllm']} when written: prompt log-probabilities within {v['max_abs_logprob_diff']:.3g} "
+             f"of the verified model's on {v['prompts']} prompts (tolerance {v['tolerance']:.3g}, from the unpruned "
+             f"model's own vLLM-vs-transformers difference {rt['max_abs_logprob_diff']:.3g}); greedy continuations "
+             f"of {v['greedy_tokens']} tokens equal on {v['greedy_equal']} of {v['prompts']} prompts.", ""]
+    if sp:
+        lines += [f"vLLM throughput ({sp['device']}, batch of {sp['batch']} prompts, against the unpruned model): "
+                  f"prefill {sp['pruned_prefill_tokens_per_s']:,.0f} vs {sp['original_prefill_tokens_per_s']:,.0f} "
+                  f"tokens/s (x{sp['prefill_speedup']:.2f}), decode {sp['pruned_decode_tokens_per_s']:,.0f} vs "
+                  f"{sp['original_decode_tokens_per_s']:,.0f} tokens/s (x{sp['decode_speedup']:.2f}).", ""]
+    return lines
+
+
 def _gguf_section(meta: dict) -> list[str]:
     g = meta.get("gguf")
     if not g:
@@ -138,15 +157,20 @@ def _gguf_section(meta: dict) -> list[str]:
 def _how_to_load(meta: dict) -> list[str]:
     if "safetensors" not in meta.get("formats", ["safetensors"]):
         return _gguf_section(meta)
-    trust = ", trust_remote_code=True" if meta["layout"] == "per-layer" else ""
-    lines = ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             f'model = AutoModelForCausalLM.from_pretrained("<this repo or directory>"{trust})',
-             'tokenizer = AutoTokenizer.from_pretrained("<this repo or directory>")', "```", ""]
-    if meta["layout"] == "per-layer":
-        lines += ["Layers keep different numbers of heads, recorded in `config.json` under `per_layer_config`; the "
-                  "small `modeling_pruned.py` shipped here builds each layer from it, hence `trust_remote_code=True`.",
+    per_layer = meta["layout"] == "per-layer"
+    lines = ["## Load it", "", "```python"] + (["import prune_heads  # registers the per-layer classes"] if per_layer
+                                              else []) + [
+        "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        'model = AutoModelForCausalLM.from_pretrained("<this repo or directory>")',
+        'tokenizer = AutoTokenizer.from_pretrained("<this repo or directory>")', "```", ""]
+    if per_layer:
+        lines += ["Layers keep different numbers of heads, listed in `config.json` under `per_layer_heads` "
+                  "(`[query heads, KV heads]` per layer; `[0, 0]`: no attention). With `pip install prune-heads` the "
+                  "import above is all transformers needs; without it, `modeling_pruned.py` shipped here builds the "
+                  "same model: `from_pretrained(..., trust_remote_code=True)`. vLLM serves it through prune-heads' "
+                  "plugin (installed with prune-heads in vLLM's environment): `vllm serve <this repo or directory>`.",
                   ""]
-    return lines + _gguf_section(meta)
+    return lines + _vllm_section(meta) + _gguf_section(meta)
 
 
 def _tied_note(meta: dict) -> str:

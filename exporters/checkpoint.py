@@ -1,6 +1,7 @@
 """The safetensors checkpoint of an export: weights (streamed from the source's files tensor by tensor when it can be,
 else saved from the pruned model), tokenizer, ``config.json`` with the plan's head counts (and, for the per-layer
-layout, ``modeling_pruned.py`` with its ``auto_map``), and the reload a user would do."""
+layout, ``modeling_pruned.py`` with its ``auto_map`` for readers without prune-heads), and the reload a user would
+do: plain ``from_pretrained``, no remote code (``import prune_heads`` registered the per-layer classes)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,7 @@ from prune_heads.errors import UserError
 from prune_heads.io.files import write_json, write_text
 from prune_heads.models.loading import LoadedModel, dense_logits_input
 from prune_heads.plan.planner import LayoutChoice
-
-TEMPLATE = Path(__file__).parent / "templates" / "modeling_pruned.py"
+from prune_heads.runtime import MODEL_TYPE_PREFIX, pruned_classes
 
 
 def _export_config(lm: LoadedModel, choice: LayoutChoice):
@@ -56,26 +56,39 @@ def write_checkpoint(lm: LoadedModel, pruned, choice: LayoutChoice, out: Path, m
     return written
 
 
+def remote_code(family: str) -> str:
+    """``modeling_pruned.py``: prune_heads.runtime's own text (torch and transformers only) and the family's two
+    classes by the names ``auto_map`` gives."""
+    from prune_heads import runtime
+
+    config_class, model_class = pruned_classes(family)
+    return (Path(runtime.__file__).read_text() + "\n\n# The classes this checkpoint's auto_map names.\n"
+            f"{config_class.__name__}, {model_class.__name__} = pruned_classes({family!r})\n")
+
+
 def _finish_config(lm: LoadedModel, config, choice: LayoutChoice, out: Path) -> None:
-    """config.json as stock from_pretrained reads it (our modelling file for the per-layer layout)."""
+    """config.json as from_pretrained reads it: the stock class for shared shapes, the ``pruned_<family>`` classes
+    (and the modelling file for readers without prune-heads) for per-layer head counts."""
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    base_class = lm.arch.causal_lm_class_name(config)
-    cfg["architectures"] = [base_class]
-    if choice.layout == "per-layer":
-        write_text(out / "modeling_pruned.py", TEMPLATE.read_text().replace("{{BASE_ARCHITECTURE}}", base_class))
-        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_pruned.PrunedForCausalLM"}
-        cfg["architectures"] = ["PrunedForCausalLM"]
+    family = config.model_type.removeprefix(MODEL_TYPE_PREFIX)
+    if config.model_type.startswith(MODEL_TYPE_PREFIX):
+        config_class, model_class = pruned_classes(family)
+        write_text(out / "modeling_pruned.py", remote_code(family))
+        cfg["auto_map"] = {"AutoConfig": f"modeling_pruned.{config_class.__name__}",
+                           "AutoModelForCausalLM": f"modeling_pruned.{model_class.__name__}"}
+        cfg["architectures"] = [model_class.__name__]
+    else:
+        cfg["architectures"] = [lm.arch.causal_lm_class_name(config)]
     cfg.pop("quantization_config", None)
     write_json(cfg_path, cfg)
 
 
 def reload_export(lm: LoadedModel, choice: LayoutChoice, out: Path, placement: dict | None):
-    """The written export, loaded as a user loads it (our modelling file for the per-layer layout)."""
+    """The written export, loaded as a user loads it: plain from_pretrained, no remote code."""
     from transformers import AutoModelForCausalLM
 
-    trust = choice.layout == "per-layer"  # our own modelling file, written a moment ago
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=lm.dtype, trust_remote_code=trust, **(placement or {}))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=lm.dtype, **(placement or {}))
     if not (placement or {}).get("device_map"):
         model.to(lm.device)
     dense_logits_input(model)

@@ -148,8 +148,7 @@ def load_sliced(merged, pruned_dir: Path, adapter_out: Path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trust = (pruned_dir / "modeling_pruned.py").is_file()  # our own modelling file, written a moment ago
-    base = AutoModelForCausalLM.from_pretrained(pruned_dir, dtype=merged.dtype, trust_remote_code=trust)
+    base = AutoModelForCausalLM.from_pretrained(pruned_dir, dtype=merged.dtype)
     return PeftModel.from_pretrained(base, adapter_out).merge_and_unload().to(merged.device).eval()
 
 

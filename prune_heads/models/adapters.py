@@ -18,6 +18,7 @@ from torch import nn
 
 from prune_heads.errors import UserError
 from prune_heads.models.geometry import HeadGeometry, frozen_linear, head_rows
+from prune_heads.runtime import HEADS_FIELD, MODEL_TYPE_PREFIX, SkippedAttention, pruned_config_class
 
 
 class ArchAdapter:
@@ -122,9 +123,15 @@ class ArchAdapter:
         return {}
 
     def export_config(self, config, shapes: list[tuple[int, int]]):
-        """A config for the pruned model: uniform shapes go into the global fields (explicit head_dim), differing
-        shapes into ``per_layer_config``. Returns None if this family's config class refuses the shapes."""
-        return _config_with_heads(type(config), config, shapes, self.head_dim(config))
+        """A config for the pruned model: shared shapes go into the stock config's global fields (explicit
+        head_dim; None if its validation refuses them), differing shapes (or a layer left with no heads) into the
+        ``pruned_<family>`` config of prune_heads.runtime, which every family can carry."""
+        if len(set(shapes)) == 1 and shapes[0][0] > 0:
+            return self.uniform_config(config, shapes[0])
+        return _per_layer_config(self.name, config, shapes, self.head_dim(config))
+
+    def uniform_config(self, config, shape: tuple[int, int]):
+        return _config_with_heads(type(config), config, shape, self.head_dim(config))
 
     def head_dim(self, config) -> int:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -139,68 +146,52 @@ class ArchAdapter:
         return num_heads > 0
 
 
-class SkippedAttention(nn.Module):
-    """A layer whose heads were all removed: attention adds nothing to the residual stream (no parameters).
-
-    With a KV cache it still records how many tokens it has seen, in one zero of width 1 per token (transformers
-    reads the cache's length from layer 0, which may be this one), so positions stay right during generation."""
-
-    def __init__(self, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-
-    def forward(self, hidden_states, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # "past_key_values" before transformers 5.25
-        if cache is not None:
-            batch, length = hidden_states.shape[:2]
-            seen = hidden_states.new_zeros(batch, 1, length, 1)  # [B, 1, S, 1]
-            cache.update(seen, seen, self.layer_idx)
-        return torch.zeros_like(hidden_states), None
-
-
-def _config_with_heads(config_class, config, shapes: list[tuple[int, int]], head_dim: int):
-    """Rebuild ``config`` (as ``config_class``) with per-layer query/KV head counts; None if validation refuses."""
+def _config_dict(config) -> dict:
     d = config.to_dict()
-    for key in ("quantization_config", "per_layer_config", "_name_or_path", "transformers_version", "auto_map"):
+    for key in ("quantization_config", "per_layer_config", HEADS_FIELD, "_name_or_path", "transformers_version",
+                "auto_map", "architectures"):
         d.pop(key, None)
-    d["head_dim"] = head_dim
-    if config_class.model_type != config.model_type:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return d
 
-        d["model_type"] = config_class.model_type
-        d["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config_class.model_type]]
-    counts = {shape for shape in shapes if shape[0] > 0}
-    if len(counts) <= 1 and all(h > 0 for h, _ in shapes):
-        (h, kv), = counts
-        d["num_attention_heads"], d["num_key_value_heads"] = h, kv
-    else:
-        per_layer = {}
-        for i, (h, kv) in enumerate(shapes):
-            per_layer[i] = {"skip": ["self_attn"]} if h == 0 else {"num_attention_heads": h, "num_key_value_heads": kv}
-        d["per_layer_config"] = per_layer
+
+def _config_with_heads(config_class, config, shape: tuple[int, int], head_dim: int):
+    """``config`` rebuilt as ``config_class`` with every layer's query/KV head counts ``shape``; None if the config
+    class's validation refuses them."""
     from huggingface_hub.errors import StrictDataclassClassValidationError
 
+    d = _config_dict(config)
+    d.update(model_type=config_class.model_type, head_dim=head_dim, num_attention_heads=shape[0],
+             num_key_value_heads=shape[1])
     try:
         return config_class(**d)
-    # RuntimeError: validators that read per-layer fields globally (AmbiguousGlobalPerLayerAttributeError)
-    except (ValueError, TypeError, RuntimeError, StrictDataclassClassValidationError):
+    except (ValueError, TypeError, StrictDataclassClassValidationError):
         return None
+
+
+def _per_layer_config(family: str, config, shapes: list[tuple[int, int]], head_dim: int):
+    """The ``pruned_<family>`` config (prune_heads.runtime): the original global head counts, each layer's in
+    ``per_layer_heads`` (``[0, 0]``: no attention)."""
+    d = _config_dict(config)
+    d.update(model_type=MODEL_TYPE_PREFIX + family, head_dim=head_dim)
+    d[HEADS_FIELD] = [[int(h), int(kv) if h else 0] for h, kv in shapes]
+    return pruned_config_class(family)(**d)
 
 
 class LlamaAdapter(ArchAdapter):
     name = "llama"
     model_types = ("llama",)
 
-    def export_config(self, config, shapes):
+    def uniform_config(self, config, shape):
         """LlamaConfig refuses ``hidden_size % num_attention_heads != 0`` even with an explicit head_dim. Mistral's
         decoder is the same computation (RMSNorm, SiLU MLP, RoPE, no biases) and its config accepts any head count,
-        so bias-free Llama checkpoints whose new head counts Llama refuses are written as Mistral."""
-        cfg = super().export_config(config, shapes)
+        so bias-free Llama checkpoints whose new uniform head counts Llama refuses are written as Mistral (stock
+        transformers loads them)."""
+        cfg = super().uniform_config(config, shape)
         if cfg is not None or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
             return cfg
         from transformers import MistralConfig
 
-        cfg = _config_with_heads(MistralConfig, config, shapes, self.head_dim(config))
+        cfg = _config_with_heads(MistralConfig, config, shape, self.head_dim(config))
         if cfg is not None:
             cfg.sliding_window = None
         return cfg
@@ -247,6 +238,10 @@ class Gemma2Adapter(ArchAdapter):
     name = "gemma2"
     model_types = ("gemma2",)
     add_bos_for_eval = True
+
+    def valid_num_heads(self, config, num_heads):
+        """Gemma-2/3 configs refuse global head counts that do not divide hidden_size (uniform layouts only)."""
+        return num_heads > 0 and config.hidden_size % num_heads == 0
 
 
 class Gemma3TextAdapter(Gemma2Adapter):
@@ -315,6 +310,8 @@ def supported_model_types() -> list[str]:
 
 
 def adapter_for(model_type: str) -> ArchAdapter:
+    """The family's adapter (a per-layer export's ``pruned_<family>`` model type included)."""
+    model_type = model_type.removeprefix(MODEL_TYPE_PREFIX)
     for cls in ADAPTERS:
         if model_type in cls.model_types:
             return cls()

@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 from prune_heads.errors import UserError
+from prune_heads.runtime import HEADS_FIELD
 
 MAX_LAYERS = 4096
 MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
@@ -80,7 +81,7 @@ def check_checkpoint(source, raw: dict) -> None:
     spec = source.spec
     if not isinstance(raw, dict):
         raise UserError(f"the config.json of {spec!r} is not a JSON object; fix it")
-    if raw.get("per_layer_config"):
+    if raw.get("per_layer_config") or raw.get(HEADS_FIELD):
         raise UserError(f"{spec!r} has different attention head counts per layer (an already pruned per-layer "
                         "export?); prune-heads scores and prunes stock models: pass the original model, or a uniform "
                         "export")

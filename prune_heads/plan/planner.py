@@ -9,7 +9,8 @@ Both the verification ablation (``ablation``) and the physical slicing (``prunin
 verified is what is shipped. Export layouts:
 
 - ``uniform``: every layer has the same query/KV head counts: a stock config, no remote code.
-- ``per-layer``: head counts differ per layer (``per_layer_config`` plus a small modelling file).
+- ``per-layer``: head counts differ per layer (the ``pruned_<family>`` config of prune_heads.runtime: loads where
+  prune-heads is installed, or with its shipped modelling file and ``trust_remote_code``).
 - ``masked``: original shapes with the removed heads' o_proj columns zeroed: exact, loads anywhere, no speed-up.
 ``auto`` takes uniform when the exact per-layer shapes already agree (nothing is left on the table), else per-layer.
 """
@@ -260,8 +261,8 @@ class Planner:
         return self.arch.valid_num_heads(self.config, num_heads)
 
     def exact(self, heads: HeadSet) -> PrunePlan:
-        """The cheapest exact per-layer plan whose head counts this family's config accepts."""
-        return plan_exact(heads, self.geometries, self._valid)
+        """The cheapest exact per-layer plan (a per-layer config carries any head counts)."""
+        return plan_exact(heads, self.geometries)
 
     def costs(self, plan: PrunePlan) -> dict:
         return costs(plan, self.config.hidden_size, self.bytes_per_value)
@@ -315,35 +316,27 @@ class Planner:
             if uniform is None:
                 raise UserError("`layout` uniform needs every layer to share one head geometry; use `layout` per-layer")
             return LayoutChoice("uniform", uniform, "uniform layout requested", options)
-        per_layer_ok = exact.is_uniform or self.arch.export_config(self.config, exact.shapes) is not None
         if layout == "per-layer":
-            if not per_layer_ok:
-                raise UserError(f"the {self.config.model_type} config class cannot carry per_layer_config (its "
-                                "validator reads head counts globally); use `layout` uniform (exact, padded) or "
-                                "`layout` masked")
             return LayoutChoice("per-layer", exact, "per-layer layout requested", options)
-        return self._auto(heads, exact, uniform, options, per_layer_ok)
+        return self._auto(heads, exact, uniform, options)
 
-    def _auto(self, heads, exact, uniform, options, per_layer_ok) -> LayoutChoice:
-        model_type = self.config.model_type
-        if exact.is_uniform and all(lp.slots for lp in exact.layers):
+    def _auto(self, heads, exact, uniform, options) -> LayoutChoice:
+        shape = exact.shapes[0]
+        if exact.is_uniform and all(lp.slots for lp in exact.layers) and self._valid(shape[0]):
             exact = PrunePlan(exact.layers, heads, "uniform")
-            return LayoutChoice("uniform", exact, f"every layer keeps {exact.shapes[0][0]} query and "
-                                f"{exact.shapes[0][1]} KV heads: a stock config loads it, no remote code", options)
+            return LayoutChoice("uniform", exact, f"every layer keeps {shape[0]} query and {shape[1]} KV heads: a "
+                                "stock config loads it anywhere, no remote code", options)
         if uniform is not None and options["uniform"]["attention_params"] <= options["per-layer"]["attention_params"]:
             return LayoutChoice("uniform", uniform, f"a uniform {uniform.shapes[0]} layout costs no more attention "
-                                "parameters than per-layer shapes here, and a stock config loads it, no remote code",
-                                options)
-        if not per_layer_ok and uniform is not None:
-            return LayoutChoice("uniform", uniform, f"layers keep different head counts, but the {model_type} config "
-                                f"cannot carry per_layer_config; every layer is padded to {uniform.shapes[0]} with "
-                                "zero heads (exact)", options)
+                                "parameters than per-layer shapes here, and a stock config loads it anywhere, no "
+                                "remote code", options)
         saved = options["uniform"]["attention_params"] - options["per-layer"]["attention_params"] if uniform else None
         why = "layers keep different head counts"
         if saved:
             why += (f"; uniform would pad every layer to {options['uniform']['shapes'][0]} and keep {saved:,} more "
                     "attention parameters")
-        return LayoutChoice("per-layer", exact, why + " (loads with trust_remote_code=True)", options)
+        return LayoutChoice("per-layer", exact, why + " (loads where prune-heads is installed, in vLLM through its "
+                            "plugin, or with trust_remote_code=True)", options)
 
 
 def attention_flops_per_token(plan: PrunePlan, hidden_size: int, context: int = FLOPS_CONTEXT) -> int:
