@@ -214,13 +214,14 @@ def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
 
     lm = load_model("smollm2-135m", dtype="float32", device="cpu")
     # One head from every KV group of layers 0-9: those keep 6 query x 3 KV heads, layers 10-29 keep 9 x 3, so the
-    # export is per-layer; LlamaConfig cannot carry per_layer_config, so it is written as the identical Mistral.
+    # export is per-layer: model type pruned_llama, loaded by stock from_pretrained once prune_heads is imported.
     heads = HeadSet.of({i: [0, 3, 6] for i in range(10)})
     result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False))
     assert result.choice.layout == "per-layer"
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["model_type"] == "mistral" and "quantization_config" not in cfg and cfg["per_layer_config"]["0"]["num_attention_heads"] == 6
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    assert cfg["model_type"] == "pruned_llama" and "quantization_config" not in cfg
+    assert cfg["per_layer_heads"][0] == [6, 3] and cfg["per_layer_heads"][29] == [9, 3]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     ids = torch.tensor([lm.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
     with torch.no_grad(), ablate(lm, result.choice.plan):
         expected = lm.model(input_ids=ids).logits

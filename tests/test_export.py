@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, REAL_SHAPES, tiny_model, uneven_heads
 
 from exporters.export import ExportOptions, export_pruned
 from exporters.manifest import MANIFEST, read_manifest
@@ -146,6 +146,29 @@ def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path)
         assert card.startswith("---\nbase_model:") and "attention-head-pruning" in card and "library_name: transformers" in card
 
 
+@pytest.mark.parametrize("family", sorted(REAL_SHAPES))
+def test_real_shaped_uneven_selections_export_per_layer_and_load_without_remote_code(family, tmp_path):
+    """Families shaped like their real checkpoints (hidden_size != heads x head_dim, one KV head, no grouping):
+    an uneven selection with a whole KV group removed and a layer emptied ships per-layer, removes parameters, and
+    stock from_pretrained (no trust_remote_code) gives the verified ablation's logits."""
+    from transformers import AutoModelForCausalLM
+
+    shape = REAL_SHAPES[family]
+    lm = tiny_model(family, **shape)
+    heads = uneven_heads(shape["num_attention_heads"], shape["num_key_value_heads"])
+    result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False))
+    assert result.choice.layout == "per-layer"
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == f"pruned_{family}" and cfg["per_layer_heads"][3] == [0, 0]
+    assert cfg["num_attention_heads"] == shape["num_attention_heads"]  # the global counts stay the original's
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with ablate(lm, result.choice.plan):
+        reference = logits(lm.model)
+    assert torch.allclose(logits(reloaded), reference, atol=1e-5)
+    removed = result.stats["before"]["parameters"] - sum(p.numel() for p in reloaded.parameters())
+    assert removed > 0 and removed == result.stats["before"]["parameters"] - result.stats["after"]["parameters"]
+
+
 def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_mistral(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -207,7 +230,7 @@ def test_a_per_layer_export_is_refused_as_input_with_a_clear_error(tmp_path):
     lm = tiny_model("qwen2")
     export_pruned(lm, UNEVEN, tmp_path, ExportOptions(layout="per-layer", progress=False))
     with pytest.raises(UserError, match="different attention head counts per layer"):
-        load_model(str(tmp_path), options=LoadOptions(trust_remote_code=True))
+        load_model(str(tmp_path), options=LoadOptions())
 
 
 def _bf16(family: str):

@@ -239,7 +239,7 @@ def test_a_layer_left_with_no_heads_exports_in_every_family(family, mmlu, tmp_pa
         assert g["verified_in_llama_cpp"] and g["head_counts"][0] == int(g["zero_head_in_layer_0"]) == 1
     lm = tiny_model(family)
     plan = planner_for(lm).choose(HeadSet.load(heads), meta["layout"]).plan
-    shipped = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.tensor([[5, 17, 45, 99, 120, 7, 250, 33]])
     kw = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     with ablate(lm, plan):
@@ -357,7 +357,7 @@ def test_an_adapter_of_another_base_is_refused_and_adapt_names_its_output(model_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(pruned, trust_remote_code=True)
+    base = AutoModelForCausalLM.from_pretrained(pruned)
     PeftModel.from_pretrained(base, tmp_path / "sliced")
 
 

@@ -48,8 +48,7 @@ def test_sliced_adapter_on_pruned_base_equals_ablated_base_with_adapter(family, 
         expected = logits(merged.model)
 
     sliced = slice_adapter(adapter_dir, pruned_dir, tmp_path / "sliced")
-    trust = result.choice.layout == "per-layer"
-    base = AutoModelForCausalLM.from_pretrained(pruned_dir, trust_remote_code=trust)
+    base = AutoModelForCausalLM.from_pretrained(pruned_dir)
     with_adapter = PeftModel.from_pretrained(base, sliced)
     assert torch.allclose(logits(with_adapter), expected, atol=1e-4), (family, layout)
     assert torch.allclose(logits(with_adapter.merge_and_unload()), expected, atol=1e-4)
@@ -98,8 +97,7 @@ def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path
     assert report["adapter"]["max_abs_logit_diff"] <= report["adapter"]["tolerance"]
     assert report["adapter"]["task_eval"]["agreement_with_verified"] == 1.0
     # The shipped base is the pruned *base* (no adapter merged in), and base + sliced adapter loads with peft.
-    trust = (out / "modeling_pruned.py").is_file()
-    base = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=trust)
+    base = AutoModelForCausalLM.from_pretrained(out)
     full = PeftModel.from_pretrained(base, out / "adapter")
     merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, adapter_for("qwen2"), lm.source, lm.dtype, lm.device)
     from prune_heads.heads import HeadSet

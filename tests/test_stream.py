@@ -13,8 +13,8 @@ from exporters.export import ExportOptions, export_pruned
 from exporters.stream import INDEX, streamable
 from prune_heads.models.loading import load_model
 
-# Families whose config cannot carry per-layer head counts ship the uneven set masked (original shapes, zeroed o_proj).
-LAYOUTS = {f: ("uniform", "masked") for f in ("gemma2", "gemma3_text", "phi3", "olmo2")}
+# OLMo-2's q/k norms span all heads: its streamed per-layer export is checked beside the masked one.
+LAYOUTS = {"olmo2": ("uniform", "per-layer", "masked")}
 
 
 def _tensors(directory):

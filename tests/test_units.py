@@ -149,7 +149,7 @@ def test_uniform_search_ships_a_stock_config_equal_to_the_verified_ablation(mode
 
     out, report = _run(model_dir, tmp_path, capsys, "--layout", "uniform")
     config = json.loads((out / "config.json").read_text())
-    assert "auto_map" not in config and "per_layer_config" not in config and not (out / "modeling_pruned.py").exists()
+    assert "auto_map" not in config and "per_layer_heads" not in config and not (out / "modeling_pruned.py").exists()
     assert config["num_attention_heads"] < 6  # fewer heads than the original in every layer
     heads = HeadSet.of({int(k): v for k, v in report["heads"].items()})
     assert len(heads.layers()) == 4  # the same units in every layer

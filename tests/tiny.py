@@ -133,3 +133,27 @@ class FnEvaluator:
 
     def savings(self, heads):
         return self._savings(heads) if self._savings else None
+
+
+# Tiny models shaped like each family's real checkpoints, head_dim 32 (vLLM's CPU attention needs 32, 64, 80, ...):
+# Gemma-2/3 and Qwen3 with hidden_size != heads x head_dim, Gemma-3 with one KV head, Phi-3 without grouped queries,
+# Llama and Qwen2 (attention biases) grouped 3 to 1.
+REAL_SHAPES = {
+    "llama": dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=32),
+    "qwen2": dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=32),
+    "qwen3": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    "gemma2": dict(hidden_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=32, query_pre_attn_scalar=32),
+    "gemma3_text": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                        query_pre_attn_scalar=32),
+    "phi3": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32),
+}
+
+
+def uneven_heads(num_heads: int, num_kv_heads: int):
+    """Uneven per-layer removals: one head of layer 0, layer 1 untouched, a whole KV group of layer 2 (half the
+    heads with one KV head), every head of layer 3 (a layer left with no attention)."""
+    from prune_heads.heads import HeadSet
+
+    group = num_heads // num_kv_heads
+    layer2 = list(range(group)) if num_kv_heads > 1 else list(range(num_heads // 2))
+    return HeadSet.of({0: [0], 2: layer2, 3: list(range(num_heads))})

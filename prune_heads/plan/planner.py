@@ -185,8 +185,10 @@ def plan_uniform(heads: HeadSet, geometries: Sequence[HeadGeometry], valid_num_h
     best = None
     for g in range(1, base.group_size + 1):
         k_new = max(1, max(_slots_needed(groups, g) for groups in all_groups))
-        while not valid_num_heads(k_new * g):
+        while not valid_num_heads(k_new * g) and k_new * g < base.num_heads:
             k_new += 1
+        if not valid_num_heads(k_new * g):  # no count the config accepts with groups of g (the original's does)
+            continue
         cost = _cost(k_new * g, k_new)
         if best is None or cost < best[0]:
             best = (cost, g, k_new)

@@ -1,0 +1,76 @@
+"""Runs one model in vLLM and writes what it computed: the script prune-heads starts with a Python that has vLLM
+(vLLM pins its own transformers, so it often lives in an environment of its own). Imports vLLM and the standard
+library only.
+
+    python vllm_worker.py REQUEST.json RESULT.json
+
+REQUEST: ``model`` (a directory), ``prompts`` (token id lists), ``greedy_tokens``, ``dtype``, ``max_model_len``,
+``kv_cache_bytes`` and,
+optionally, ``throughput`` (``batch``, ``prompt_tokens``, ``decode_tokens``). RESULT: the log-probability of every
+prompt token after the first (``prompt_logprobs``), the greedy continuation of every prompt (``greedy``), the vLLM
+version, the engine start time and, if asked, prefill and decode tokens per second for a batch of prompts.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _prompt_logprobs(llm, prompts: list[list[int]], greedy_tokens: int):
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=greedy_tokens, prompt_logprobs=0, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    logprobs, greedy = [], []
+    for prompt, out in zip(prompts, outputs):
+        # prompt_logprobs[0] is None (the first token has no context); entry i maps token id -> Logprob.
+        logprobs.append([float(out.prompt_logprobs[i][tok].logprob) for i, tok in enumerate(prompt) if i > 0])
+        greedy.append(list(out.outputs[0].token_ids))
+    return logprobs, greedy
+
+
+def _throughput(llm, prompts: list[list[int]], spec: dict) -> dict:
+    """Prefill: a batch of prompts, one new token each; decode: the same batch generating ``decode_tokens`` more,
+    less the prefill time. Each timed once after one warm-up."""
+    from vllm import SamplingParams, TokensPrompt
+
+    length, batch, new = spec["prompt_tokens"], spec["batch"], spec["decode_tokens"]
+    base = [t for p in prompts for t in p]
+    batch_prompts = [TokensPrompt(prompt_token_ids=[base[(i * 7 + j) % len(base)] for j in range(length)])
+                     for i in range(batch)]
+
+    def timed(tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        llm.generate(batch_prompts, params, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        llm.generate(batch_prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    prefill = timed(1)
+    decode = max(timed(1 + new) - prefill, 1e-9)
+    return {"batch": batch, "prompt_tokens": length, "decode_tokens": new,
+            "prefill_tokens_per_s": batch * length / prefill, "decode_tokens_per_s": batch * new / decode}
+
+
+def main(request_path: str, result_path: str) -> None:
+    import vllm
+    from vllm import LLM
+
+    request = json.loads(open(request_path).read())
+    start = time.perf_counter()
+    llm = LLM(model=request["model"], dtype=request.get("dtype", "float32"), enforce_eager=True, seed=0,
+              max_model_len=request.get("max_model_len", 512), enable_prefix_caching=False,
+              kv_cache_memory_bytes=request.get("kv_cache_bytes", 1 << 29))  # not vLLM's 90% of the machine
+    started = time.perf_counter() - start
+    logprobs, greedy = _prompt_logprobs(llm, request["prompts"], request.get("greedy_tokens", 8))
+    result = {"vllm": vllm.__version__, "engine_start_s": round(started, 1), "prompt_logprobs": logprobs,
+              "greedy": greedy, "architecture": llm.llm_engine.model_config.architecture}
+    if request.get("throughput"):
+        result["throughput"] = _throughput(llm, request["prompts"], request["throughput"])
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard keeps it from rerunning this
+    main(*sys.argv[1:3])
