@@ -169,6 +169,35 @@ def test_real_shaped_uneven_selections_export_per_layer_and_load_without_remote_
     assert removed > 0 and removed == result.stats["before"]["parameters"] - result.stats["after"]["parameters"]
 
 
+def test_a_per_layer_export_loads_with_remote_code_where_prune_heads_is_not_installed(tmp_path):
+    """Without the package (its import blocked in a fresh process), the shipped modeling_pruned.py builds the same
+    model under trust_remote_code=True: its logits equal the verified ablation's."""
+    import subprocess
+    import sys
+
+    shape = REAL_SHAPES["gemma3_text"]
+    lm = tiny_model("gemma3_text", **shape)
+    (tmp_path / "out").mkdir()
+    result = export_pruned(lm, uneven_heads(4, 1), tmp_path / "out", ExportOptions(layout="per-layer", progress=False))
+    with ablate(lm, result.choice.plan):
+        torch.save(logits(lm.model), tmp_path / "reference.pt")
+    script = f"""
+import sys
+sys.modules["prune_heads"] = None  # not installed
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "out")!r}, trust_remote_code=True).eval()
+ids = torch.tensor({IDS.tolist()})
+with torch.no_grad():
+    got = model(input_ids=ids).logits
+print(type(model).__module__, (got - torch.load({str(tmp_path / "reference.pt")!r})).abs().max().item())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    module, diff = done.stdout.split()
+    assert module.startswith("transformers_modules") and float(diff) < 1e-5
+
+
 def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_mistral(tmp_path):
     from transformers import AutoModelForCausalLM
 

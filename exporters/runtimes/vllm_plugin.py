@@ -18,18 +18,22 @@ import importlib
 import re
 import sys
 
-from prune_heads.runtime import FAMILIES, HEADS_FIELD, MODEL_TYPE_PREFIX, register as register_configs
+from prune_heads.runtime import FAMILIES, HEADS_FIELD, MODEL_TYPE_PREFIX
+from prune_heads.runtime import register as register_configs
 
-# family -> vLLM's module and causal LM class for it (vllm.model_executor.models.<module>)
+# family -> vLLM's module and causal LM class for it (vllm.model_executor.models.<module>). vLLM's Qwen2Attention
+# derives head_dim from hidden_size / heads, which a layer with fewer heads breaks; Qwen2 is Llama with q/k/v biases,
+# and vLLM's Llama reads an explicit head_dim and takes those biases from ``qkv_bias`` (VLLM_CONFIG).
 VLLM_CLASSES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
 }
+VLLM_CONFIG = {"qwen2": {"qkv_bias": True, "attention_bias": False}}
 _BUILT: dict[str, type] = {}
 
 
@@ -120,6 +124,7 @@ def _pruned_class(family: str) -> type:
         stock = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
 
         def __init__(self, *, vllm_config, prefix: str = ""):
+            vllm_config.model_config.hf_config.__dict__.update(VLLM_CONFIG.get(family, {}))
             with _per_layer_building(vllm_config):
                 stock.__init__(self, vllm_config=vllm_config, prefix=prefix)
 
