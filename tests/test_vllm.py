@@ -70,3 +70,22 @@ def test_per_layer_exports_run_in_vllm_through_the_plugin(family, tmp_path):
     assert result.stats["after"]["parameters"] < result.stats["before"]["parameters"]
     record = check_in_vllm(PYTHON, original, export, REQUEST)
     _assert_verified(record, f"Pruned{type(lm.model).__name__}")
+
+
+@pytest.mark.slow
+def test_the_embedded_smollm2_per_layer_export_runs_in_vllm_with_the_same_greedy_text(tmp_path):
+    """The embedded SmolLM2-135M (dequantised float32): a per-layer export (layers 0-9 keep 6 of 9 query heads, layer
+    29 none) and the original in vLLM through its Llama class; the export's greedy text equals transformers'."""
+    from prune_heads.models import load_model
+
+    lm = load_model("smollm2-135m", dtype="float32", device="cpu")
+    heads = HeadSet.of({**{i: [0, 3, 6] for i in range(10)}, 29: list(range(9))})
+    original = _original(lm, tmp_path)
+    export, _ = _export(lm, heads, tmp_path, "per-layer")
+    prompt = tuple(lm.tokenizer("The capital of France is")["input_ids"])
+    request = VllmRequest((prompt, tuple(lm.tokenizer("def fibonacci(n):")["input_ids"])), greedy_tokens=12,
+                          max_model_len=256, throughput={"batch": 8, "prompt_tokens": 128, "decode_tokens": 16})
+    record = check_in_vllm(PYTHON, original, export, request)
+    assert record["architecture"] == "PrunedLlamaForCausalLM" and record["verified"], record
+    assert record["speed"]["prefill_speedup"] > 0 and record["speed"]["decode_speedup"] > 0
+    print(json.dumps({k: v for k, v in record.items() if k != "unpruned"} | {"unpruned": record["unpruned"]}))

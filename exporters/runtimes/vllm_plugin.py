@@ -18,7 +18,7 @@ import importlib
 import re
 import sys
 
-from prune_heads.runtime import FAMILIES, HEADS_FIELD, MODEL_TYPE_PREFIX
+from prune_heads.runtime import FAMILIES, HEADS_FIELD
 from prune_heads.runtime import register as register_configs
 
 # family -> vLLM's module and causal LM class for it (vllm.model_executor.models.<module>). vLLM's Qwen2Attention
@@ -139,12 +139,3 @@ def __getattr__(name: str):
         if name == class_name(family):
             return _pruned_class(family)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def served_families() -> tuple[str, ...]:
-    """The families whose per-layer exports vLLM serves through this plugin (model types without the prefix)."""
-    return tuple(VLLM_CLASSES)
-
-
-def is_served(model_type: str) -> bool:
-    return model_type.removeprefix(MODEL_TYPE_PREFIX) in VLLM_CLASSES
