@@ -119,7 +119,10 @@ def _vllm_section(meta: dict) -> list[str]:
     lines = [f"Run in vLLM {v['vllm']} when written: prompt log-probabilities within {v['max_abs_logprob_diff']:.3g} "
              f"of the verified model's on {v['prompts']} prompts (tolerance {v['tolerance']:.3g}, from the unpruned "
              f"model's own vLLM-vs-transformers difference {rt['max_abs_logprob_diff']:.3g}); greedy continuations "
-             f"of {v['greedy_tokens']} tokens equal on {v['greedy_equal']} of {v['prompts']} prompts.", ""]
+             f"of {v['greedy_tokens']} tokens equal on {v['greedy_equal']} of {v['prompts']} prompts"
+             + ("." if v["greedy_equal"] == v["prompts"] else f" (elsewhere vLLM's tokens are near-ties of the "
+                f"verified model's, within {v['greedy_max_margin']:.3g} in log-probability).")
+             + f" vLLM's class: `{v['architecture']}`.", ""]
     if sp:
         lines += [f"vLLM throughput ({sp['device']}, batch of {sp['batch']} prompts, against the unpruned model): "
                   f"prefill {sp['pruned_prefill_tokens_per_s']:,.0f} vs {sp['original_prefill_tokens_per_s']:,.0f} "

@@ -5,8 +5,8 @@ Files: ``model*.safetensors`` (+ index when sharded), ``config.json``, ``generat
 files, ``prune_heads.json`` (what was removed and why, written last with a ``verified`` flag and every file's
 sha256), ``README.md`` (model card) and, for the per-layer layout, ``modeling_pruned.py``.
 
-The stages of ``export_pruned``, in order: plan -> prune (and heal) -> write -> reload and compare logits ->
-evaluate the task on the reloaded model -> card and manifest.
+The stages of ``export_pruned``, in order: plan -> prune (and heal) -> write -> reload and compare logits -> run in
+vLLM (when one is found) -> evaluate the task on the reloaded model -> card and manifest.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from exporters.checkpoint import reload_export, write_checkpoint
 from exporters.gguf.export import export_gguf
 from exporters.logits import SpilledLogits, check_logits, compare_models, reference_logits, sample_prompts
 from exporters.manifest import MANIFEST, build_manifest, export_bytes, export_stats, files_digest
+from exporters.runtimes.vllm_check import VllmStage, not_verified, prepare_vllm
 from exporters.speed import measure_speed as measure
 from exporters.stream import streamable
 from prune_heads import memory
@@ -50,8 +51,9 @@ class ExportOptions:
     """How an export is written: the layout (auto, uniform, per-layer, masked), the largest safetensors shard, the
     formats (safetensors, gguf) and the GGUF's tensor type, progress bars, whether to time the export against the
     original, whether the caller is done with the source model (its weights are released once the reference logits
-    are taken, so the reload is never resident beside it), and from_pretrained's placement of the reload
-    (device_map, max_memory, offload_folder: as the user would load it)."""
+    are taken, so the reload is never resident beside it), from_pretrained's placement of the reload
+    (device_map, max_memory, offload_folder: as the user would load it), and whether to run the export in vLLM
+    (``vllm_python``: vLLM's Python, else $PRUNE_HEADS_VLLM_PYTHON, else this one if it has vLLM)."""
 
     layout: str = "auto"
     max_shard_size: str = "2GB"
@@ -61,6 +63,8 @@ class ExportOptions:
     measure_speed: bool = True
     release_source: bool = False
     placement: dict | None = None
+    vllm: bool = True
+    vllm_python: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class ExportResult:
     manifest: dict = field(default_factory=dict)
     speed: dict | None = None  # prefill/decode tokens/s of the export against the original (exporters/speed.py)
     gguf: dict | None = None  # the GGUF written and its check in llama.cpp (exporters/gguf/export.py)
+    vllm: dict | None = None  # the export run in vLLM (exporters/runtimes/vllm_check.py)
 
 
 def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, options: ExportOptions = ExportOptions(), *,
@@ -115,19 +120,20 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, options: ExportOpt
             f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
             f"{verification['tolerance']:g})")
         reloaded = verification.pop("_model")
+        vllm = _run_vllm(shipped.vllm, out, reloaded)
         memory.policy().between_stages()  # the logit check's float32 upcasts, before the task passes reuse the heap
         task_eval = _evaluate_export(reloaded, out, check, healing, options.progress) if check is not None else None
         del reloaded
         found = {"stats": stats, "verification": verification, "task_eval": task_eval, "healing": healing}
         meta = build_manifest(lm, heads, choice, found, info or {}, enc)
-        meta.update(speed=shipped.speed, formats=list(formats), gguf=gguf)
+        meta.update(speed=shipped.speed, formats=list(formats), gguf=gguf, vllm=vllm)
         write_text(out / "README.md", model_card(meta))
         # Hidden files (the staging lock) and subdirectories (the result cache) are not part of the model.
         meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
                          if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
         meta["verified"] = True
         write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
-        return ExportResult(choice, stats, verification, task_eval, meta, shipped.speed, gguf)
+        return ExportResult(choice, stats, verification, task_eval, meta, shipped.speed, gguf, vllm)
 
 
 def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: ExportOptions, enc, files,
@@ -144,6 +150,7 @@ def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: 
         return shipped, gguf, healing
     memory.policy().between_stages()  # what the search left free goes back before the reference logits and shards
     shipped = _write_safetensors(lm, pruned, healing, choice, out, options, enc, files)
+    shipped.vllm = _prepare_vllm(lm, choice, out, shipped.reference["ids"], options, offloaded)
     del pruned  # the last reference to the pruned copy (it shares the original's weights)
     released = options.release_source and not getattr(lm.model, "hf_device_map", None)
     if released:
@@ -160,6 +167,24 @@ class _ShippedModel:
     source_parameters: int | None = None  # counted in the source files when streamed (an offloaded model's own
     # parameters() do not all show)
     reference: dict | None = None  # the reference logits the reload is checked against, until it is
+    vllm: VllmStage | dict | None = None  # the vLLM check, prepared before the source is released (or why not)
+
+
+def _prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Tensor, options: ExportOptions,
+                  offloaded: bool) -> VllmStage | dict | None:
+    """The vLLM stage, prepared while the original is loaded (None: not asked)."""
+    if not options.vllm:
+        return None
+    if offloaded:
+        return not_verified("part of the model was offloaded to disk; run the export in vLLM where it fits")
+    return prepare_vllm(lm, choice, out, ids, options.vllm_python, options.measure_speed)
+
+
+def _run_vllm(stage: VllmStage | dict | None, out: Path, reloaded: LoadedModel) -> dict | None:
+    """The reloaded export and the unpruned model in vLLM (the record), once the reload is checked."""
+    if not isinstance(stage, VllmStage):
+        return stage
+    return stage.run(out, reloaded.model, reloaded.dtype != torch.float32)
 
 
 def _refuse_offloaded(offloaded: bool, files, formats) -> None:

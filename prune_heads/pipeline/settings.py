@@ -69,6 +69,7 @@ class Settings:
     max_shard_size: str = "2GB"
     export_format: str = "safetensors"  # --format: safetensors | gguf | both
     gguf_type: str = "f16"  # --gguf-type: f32 | f16 | bf16 | q8_0
+    vllm_python: str | None = None  # --vllm-python: the Python that runs the export in vLLM
     export: bool = True
     resume: bool = False
     lora_adapter: str | None = None  # --adapter (peft LoRA): verify base+adapter, prune the base, slice the adapter
