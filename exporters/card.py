@@ -124,7 +124,8 @@ def _vllm_section(meta: dict) -> list[str]:
                 f"verified model's, within {v['greedy_max_margin']:.3g} in log-probability).")
              + f" vLLM's class: `{v['architecture']}`.", ""]
     if sp:
-        lines += [f"vLLM throughput ({sp['device']}, batch of {sp['batch']} prompts, against the unpruned model): "
+        lines += [f"vLLM throughput ({sp['device']}, {sp['dtype']}, batch of {sp['batch']} prompts of "
+                  f"{sp['prompt_tokens']} tokens, {sp['decode_tokens']} decoded each, against the unpruned model): "
                   f"prefill {sp['pruned_prefill_tokens_per_s']:,.0f} vs {sp['original_prefill_tokens_per_s']:,.0f} "
                   f"tokens/s (x{sp['prefill_speedup']:.2f}), decode {sp['pruned_decode_tokens_per_s']:,.0f} vs "
                   f"{sp['original_decode_tokens_per_s']:,.0f} tokens/s (x{sp['decode_speedup']:.2f}).", ""]

@@ -52,6 +52,7 @@ def float32_parameters(model: torch.nn.Module, enabled: bool = True):
         return
     saved: dict[int, dict[str, torch.Tensor]] = {}
     vocab_in, vocab_out = _vocabulary_modules(model)
+    padding_idx = getattr(vocab_in, "padding_idx", None)
 
     def upcast(module, args):
         own = {n: p for n, p in module.named_parameters(recurse=False) if p.dtype in LOW_PRECISION}
@@ -59,6 +60,7 @@ def float32_parameters(model: torch.nn.Module, enabled: bool = True):
         if module is vocab_in and args and torch.is_tensor(args[0]):  # only the rows looked up
             rows, ids = args[0].unique(return_inverse=True)
             module.weight.data = module.weight.data[rows].float()
+            module.padding_idx = None  # an index of the full table (it only stops gradients): not one of these rows
             return (ids, *args[1:])
         for p in own.values():
             p.data = p.data.float()
@@ -66,6 +68,8 @@ def float32_parameters(model: torch.nn.Module, enabled: bool = True):
     def restore(module, *_):
         for name, data in saved.pop(id(module), {}).items():
             getattr(module, name).data = data
+        if module is vocab_in:
+            module.padding_idx = padding_idx
 
     modules = [m for m in model.modules() if m is not vocab_out and _low_precision(m)]
     handles = [h for m in modules for h in (m.register_forward_pre_hook(upcast), m.register_forward_hook(restore))]

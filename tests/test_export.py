@@ -364,6 +364,25 @@ def test_float32_comparison_never_upcasts_a_whole_vocabulary_matrix(family):
     assert "forward" not in vars(head)  # the class's forward again
 
 
+def test_float32_comparison_of_one_token_beside_a_padding_index_it_does_not_look_up():
+    """An embedding with a padding index (SmolLM2's is 2) looked up for one token (a generation step, the vLLM check's
+    greedy continuations) upcasts that one row; the padding index is the full table's again afterwards."""
+    import copy
+
+    from exporters import logits as ex
+
+    lm = _bf16("llama")
+    embed = lm.model.get_input_embeddings()
+    embed.padding_idx = 5
+    ids = torch.tensor([[9]])
+    with torch.no_grad():
+        want = copy.deepcopy(lm.model).float()(input_ids=ids).logits
+        with ex.float32_parameters(lm.model):
+            got = lm.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert embed.padding_idx == 5 and embed.weight.shape[0] == lm.config.vocab_size
+
+
 def test_reference_logits_go_to_disk_come_back_equal_and_are_removed_once_the_reload_is_checked(tmp_path,
                                                                                                 monkeypatch):
     """The export holds its reference logits (full vocabulary, float32) on disk from before its files are written

@@ -149,12 +149,13 @@ def compare(request: VllmRequest, unpruned: tuple[dict, dict], export: tuple[dic
               "tolerance": tolerance(reference["max_abs_logprob_diff"]),
               "engine_start_s": {"unpruned": base_vllm["engine_start_s"], "export": out_vllm["engine_start_s"]}}
     if request.throughput:
-        record["speed"] = _speed(base_vllm["throughput"], out_vllm["throughput"])
+        record["speed"] = _speed(base_vllm["throughput"], out_vllm["throughput"], out_vllm)
     return record
 
 
-def _speed(original: dict, pruned: dict) -> dict:
-    return {"device": "cpu", "dtype": "float32", "batch": pruned["batch"], "prompt_tokens": pruned["prompt_tokens"],
+def _speed(original: dict, pruned: dict, run: dict) -> dict:
+    return {"device": run["device"], "dtype": run["dtype"].replace("torch.", ""), "batch": pruned["batch"],
+            "prompt_tokens": pruned["prompt_tokens"],
             "decode_tokens": pruned["decode_tokens"],
             "original_prefill_tokens_per_s": original["prefill_tokens_per_s"],
             "pruned_prefill_tokens_per_s": pruned["prefill_tokens_per_s"],
@@ -220,7 +221,8 @@ def _report(record: dict) -> None:
         f"tokens equal on {record['greedy_equal']} of {record['prompts']} prompts")
     sp = record.get("speed")
     if sp:
-        say(f"vLLM throughput against the original (CPU float32, batch {sp['batch']} x {sp['prompt_tokens']} tokens): "
+        say(f"vLLM throughput against the original ({sp['device']}, {sp['dtype']}, batch {sp['batch']} x "
+            f"{sp['prompt_tokens']} tokens): "
             f"prefill x{sp['prefill_speedup']:.2f}, decode x{sp['decode_speedup']:.2f}")
 
 

@@ -5,10 +5,10 @@ library only.
     python vllm_worker.py REQUEST.json RESULT.json
 
 REQUEST: ``model`` (a directory), ``prompts`` (token id lists), ``greedy_tokens``, ``dtype``, ``max_model_len``,
-``kv_cache_bytes`` and,
-optionally, ``throughput`` (``batch``, ``prompt_tokens``, ``decode_tokens``). RESULT: the log-probability of every
-prompt token after the first (``prompt_logprobs``), the greedy continuation of every prompt (``greedy``), the vLLM
-version, the engine start time and, if asked, prefill and decode tokens per second for a batch of prompts.
+``kv_cache_bytes`` and, optionally, ``throughput`` (``batch``, ``prompt_tokens``, ``decode_tokens``). RESULT: the
+log-probability of every prompt token after the first (``prompt_logprobs``), the greedy continuation of every prompt
+(``greedy``), the vLLM version, the class vLLM built, its device and dtype, the engine start time and, if asked,
+prefill and decode tokens per second for a batch of prompts.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def _throughput(llm, prompts: list[list[int]], spec: dict) -> dict:
 def main(request_path: str, result_path: str) -> None:
     import vllm
     from vllm import LLM
+    from vllm.platforms import current_platform
 
     request = json.loads(open(request_path).read())
     start = time.perf_counter()
@@ -65,7 +66,8 @@ def main(request_path: str, result_path: str) -> None:
     started = time.perf_counter() - start
     logprobs, greedy = _prompt_logprobs(llm, request["prompts"], request.get("greedy_tokens", 8))
     result = {"vllm": vllm.__version__, "engine_start_s": round(started, 1), "prompt_logprobs": logprobs,
-              "greedy": greedy, "architecture": llm.llm_engine.model_config.architecture}
+              "greedy": greedy, "architecture": llm.llm_engine.model_config.architecture,
+              "device": str(current_platform.device_type), "dtype": str(llm.llm_engine.model_config.dtype)}
     if request.get("throughput"):
         result["throughput"] = _throughput(llm, request["prompts"], request["throughput"])
     with open(result_path, "w") as f:
