@@ -4,6 +4,10 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Exports run in vLLM wherever $PRUNE_HEADS_VLLM_PYTHON names one (CI sets it): only tests/test_vllm.py asks for it,
+# under another name, so no other export (in this process or a CLI subprocess) pays two vLLM engine starts.
+if "PRUNE_HEADS_VLLM_PYTHON" in os.environ:
+    os.environ["PRUNE_HEADS_TEST_VLLM_PYTHON"] = os.environ.pop("PRUNE_HEADS_VLLM_PYTHON")
 
 import pytest  # noqa: E402
 
@@ -17,13 +21,6 @@ def _float32_when_auto(request, monkeypatch):
         import prune_heads.models.dtypes as dtypes
 
         monkeypatch.setattr(dtypes, "cpu_matmul_speeds", lambda: (100.0, 25.0))
-
-
-@pytest.fixture(autouse=True)
-def _no_vllm_unless_asked(monkeypatch):
-    """Exports run in vLLM wherever $PRUNE_HEADS_VLLM_PYTHON names one (CI sets it): only tests/test_vllm.py asks for
-    it (by name, read at import), so no other export pays two vLLM engine starts."""
-    monkeypatch.delenv("PRUNE_HEADS_VLLM_PYTHON", raising=False)
 
 
 def pytest_configure(config):

@@ -174,6 +174,7 @@ def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(mo
     meta = json.loads((out / "prune_heads.json").read_text())
     assert meta["verified"] and meta["layout"] == "uniform" and meta["task_eval"]["n"] == 9
     assert meta["task_eval"]["agreement_with_verified"] == 1.0
+    assert meta["vllm"]["verified"] is False and meta["vllm"]["why_not"].startswith("no vLLM found")
     assert AutoModelForCausalLM.from_pretrained(out).config.num_attention_heads == 4
     assert oct((out / "config.json").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
     # A run that fails half-way leaves no directory under the final name, and no staging directory behind.
@@ -182,6 +183,7 @@ def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(mo
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
 
+    check_reload = ex._check_reload
     monkeypatch.setattr(ex, "_check_reload", boom)
     failed = tmp_path / "failed"
     code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", failed, "--no-mmlu",
@@ -190,7 +192,7 @@ def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(mo
     assert not failed.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".failed.partial")]
     # --force replaces a finished export only once the new one is complete.
-    monkeypatch.undo()
+    monkeypatch.setattr(ex, "_check_reload", check_reload)
     code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", out, "--no-mmlu", "--no-progress",
                             "--force", "--layout", "masked"], capsys)
     assert code == 0, err

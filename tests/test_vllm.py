@@ -19,7 +19,7 @@ from exporters.manifest import MANIFEST
 from exporters.runtimes.vllm_check import UNPRUNED_DIR, vllm_python
 from prune_heads.heads import HeadSet
 
-PYTHON = vllm_python()  # read before conftest removes $PRUNE_HEADS_VLLM_PYTHON from every test's environment
+PYTHON = vllm_python(os.environ.get("PRUNE_HEADS_TEST_VLLM_PYTHON"))  # conftest moved $PRUNE_HEADS_VLLM_PYTHON there
 if PYTHON is None and os.environ.get("PRUNE_HEADS_REQUIRE_VLLM"):
     raise RuntimeError("PRUNE_HEADS_REQUIRE_VLLM is set but no vLLM was found: set PRUNE_HEADS_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(PYTHON is None, reason="no vLLM: set PRUNE_HEADS_VLLM_PYTHON (README, vLLM)")
@@ -48,11 +48,13 @@ def _assert_verified(out, result, architecture):
     assert not (out / UNPRUNED_DIR).exists()  # the unpruned copy vLLM ran is gone
 
 
-def test_a_uniform_llama_export_runs_in_stock_vllm(tmp_path):
+@pytest.mark.parametrize("layout", ["uniform", "masked"])
+def test_uniform_and_masked_llama_exports_run_in_stock_vllm(layout, tmp_path):
     lm = tiny_model("llama", **REAL_SHAPES["llama"])
     heads = HeadSet.of({i: [i % 3, 3 + (i % 3)] for i in range(4)})  # one head per KV group everywhere: (4, 2)
-    out, result = _export(lm, heads, tmp_path, "uniform")
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    out, result = _export(lm, heads, tmp_path, layout)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_attention_heads"] == (4 if layout == "uniform" else 6)
     _assert_verified(out, result, "LlamaForCausalLM")
 
 
@@ -69,8 +71,8 @@ def test_per_layer_exports_run_in_vllm_through_the_plugin(family, tmp_path):
 
 
 def test_an_export_vllm_computes_differently_is_refused(tmp_path, monkeypatch):
-    """The check can fail: the export's files changed after the reload was checked (a layer's o_proj scaled) are
-    caught in vLLM, and the export is refused."""
+    """The check can fail: the export's files changed after the reload was checked (a layer's o_proj negated and
+    tripled) are caught in vLLM, and the export is refused."""
     import exporters.export as export_module
     from prune_heads.errors import UserError
 
@@ -84,7 +86,7 @@ def test_an_export_vllm_computes_differently_is_refused(tmp_path, monkeypatch):
         check_reload(lm_, choice, out, shipped, released, placement)
         path = out / "model.safetensors"
         tensors = load_file(path)
-        tensors["model.layers.1.self_attn.o_proj.weight"] *= 3
+        tensors["model.layers.1.self_attn.o_proj.weight"] *= -3
         save_file(tensors, path, metadata={"format": "pt"})
     monkeypatch.setattr(export_module, "_check_reload", tamper)
     with pytest.raises(UserError, match="does not run in vLLM as the verified model does"):
