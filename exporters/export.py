@@ -52,8 +52,8 @@ class ExportOptions:
     formats (safetensors, gguf) and the GGUF's tensor type, progress bars, whether to time the export against the
     original, whether the caller is done with the source model (its weights are released once the reference logits
     are taken, so the reload is never resident beside it), from_pretrained's placement of the reload
-    (device_map, max_memory, offload_folder: as the user would load it), and whether to run the export in vLLM
-    (``vllm_python``: vLLM's Python, else $PRUNE_HEADS_VLLM_PYTHON, else this one if it has vLLM)."""
+    (device_map, max_memory, offload_folder: as the user would load it), and the Python that runs the export in vLLM
+    (``vllm_python``; else $PRUNE_HEADS_VLLM_PYTHON, else this one if it has vLLM; none: not verified in vLLM)."""
 
     layout: str = "auto"
     max_shard_size: str = "2GB"
@@ -63,7 +63,6 @@ class ExportOptions:
     measure_speed: bool = True
     release_source: bool = False
     placement: dict | None = None
-    vllm: bool = True
     vllm_python: str | None = None
 
 
@@ -150,7 +149,7 @@ def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: 
         return shipped, gguf, healing
     memory.policy().between_stages()  # what the search left free goes back before the reference logits and shards
     shipped = _write_safetensors(lm, pruned, healing, choice, out, options, enc, files)
-    shipped.vllm = _prepare_vllm(lm, choice, out, shipped.reference["ids"], options, offloaded)
+    shipped.vllm = _prepare_vllm(lm, choice, out, shipped.reference["ids"], options, offloaded, files)
     del pruned  # the last reference to the pruned copy (it shares the original's weights)
     released = options.release_source and not getattr(lm.model, "hf_device_map", None)
     if released:
@@ -171,13 +170,11 @@ class _ShippedModel:
 
 
 def _prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Tensor, options: ExportOptions,
-                  offloaded: bool) -> VllmStage | dict | None:
-    """The vLLM stage, prepared while the original is loaded (None: not asked)."""
-    if not options.vllm:
-        return None
+                  offloaded: bool, files) -> VllmStage | dict:
+    """The vLLM stage, prepared while the original is loaded (or the record of why not)."""
     if offloaded:
         return not_verified("part of the model was offloaded to disk; run the export in vLLM where it fits")
-    return prepare_vllm(lm, choice, out, ids, options.vllm_python, options.measure_speed)
+    return prepare_vllm(lm, choice, out, ids, options.vllm_python, options.measure_speed, files)
 
 
 def _run_vllm(stage: VllmStage | dict | None, out: Path, reloaded: LoadedModel) -> dict | None:

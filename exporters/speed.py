@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from prune_heads.models.counting import weight_bytes
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -89,7 +91,7 @@ def measure_speed(original, shipped, arch, batch: int = 1, prompt: int = 256, ne
             "decode_tokens_per_s": {n: round(statistics.median(v), 2) for n, v in decode.items()},
             "prefill_speedup": round(ratio(prefill), 4), "decode_speedup": round(ratio(decode), 4),
             "flops_predicted_prefill_speedup": round(predicted, 4),
-            "weight_bytes": {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in models.items()},
+            "weight_bytes": {n: weight_bytes(m) for n, m in models.items()},
             # The KV cache both hold after prompt + decode (measured); with the weights, what serving keeps resident.
             "kv_cache_bytes": {n: ts[-1][2] for n, ts in times.items()},
             **({"cuda_peak_bytes": peaks} if peaks else {})}

@@ -30,10 +30,10 @@ import torch
 
 from exporters.logits import float32_parameters
 from exporters.runtimes.vllm_plugin import VLLM_CLASSES
-from exporters.stream import source_directory, streamable
 from prune_heads.console import say, warn
 from prune_heads.errors import UserError
 from prune_heads.io.diskspace import check_space
+from prune_heads.models.counting import weight_bytes
 from prune_heads.models.loading import LoadedModel
 from prune_heads.models.placement import input_device
 from prune_heads.plan.planner import LayoutChoice
@@ -88,18 +88,22 @@ def run_in_vllm(python: str, model_dir: Path, request: VllmRequest, timeout: flo
         return json.loads(res.read_text())
 
 
+def _scored(model, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the model's log-softmax rows predicting ``ids[start:]``, float32; those tokens)."""
+    tokens = torch.tensor([ids], device=input_device(model))
+    return torch.log_softmax(model(input_ids=tokens).logits[0, start - 1:-1].float(), dim=-1), tokens[0, start:]
+
+
 @torch.no_grad()
 def transformers_reference(model, request: VllmRequest, upcast: bool = False) -> dict:
     """The same numbers from a transformers model, in float32 (``upcast``: a bf16/fp16 model computes in float32 for
     the duration): prompt log-probabilities and greedy continuations."""
     logprobs, greedy = [], []
-    device = input_device(model)
     with float32_parameters(model, upcast):
         for prompt in request.prompts:
-            ids = torch.tensor([prompt], device=device)
-            logits = model(input_ids=ids).logits[0].float()
-            lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-            logprobs.append(lp.tolist())
+            lp, tokens = _scored(model, list(prompt), 1)
+            logprobs.append(lp.gather(1, tokens[:, None])[:, 0].tolist())
+            ids = torch.tensor([prompt], device=input_device(model))
             out = model.generate(ids, max_new_tokens=request.greedy_tokens, do_sample=False, min_new_tokens=0,
                                  eos_token_id=None, pad_token_id=0)
             greedy.append(out[0, len(prompt):].tolist())
@@ -107,18 +111,15 @@ def transformers_reference(model, request: VllmRequest, upcast: bool = False) ->
 
 
 @torch.no_grad()
-def greedy_margin(model, request: VllmRequest, continuations: list[list[int]], upcast: bool = False) -> float:
-    """How far, at worst, the tokens of ``continuations`` (vLLM's greedy ones) fall below the transformers model's own
-    top token at their position, in log-probability: 0 when each is its argmax; within the tolerance, a near-tie
-    that two runtimes' rounding may break either way."""
+def greedy_margin(model, continued: list[tuple[tuple[int, ...], list[int]]], upcast: bool = False) -> float:
+    """How far, at worst, the continuation of each ``(prompt, continuation)`` (vLLM's greedy tokens) falls below the
+    transformers model's own top token at its position, in log-probability: 0 when each is its argmax; within the
+    tolerance, a near-tie that two runtimes' rounding may break either way."""
     worst = 0.0
-    device = input_device(model)
     with float32_parameters(model, upcast):
-        for prompt, tokens in zip(request.prompts, continuations):
-            ids = torch.tensor([list(prompt) + list(tokens)], device=device)
-            lp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
-            chosen = lp.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0]
-            worst = max(worst, float((lp.max(dim=-1).values - chosen).max()))
+        for prompt, continuation in continued:
+            lp, tokens = _scored(model, list(prompt) + list(continuation), len(prompt))
+            worst = max(worst, float((lp.max(dim=-1).values - lp.gather(1, tokens[:, None])[:, 0]).max()))
     return worst
 
 
@@ -204,9 +205,9 @@ class VllmStage:
         record = compare(self.request, (unpruned, self.unpruned_reference), (exported, reference))
         # vLLM's greedy tokens must be the verified model's own, up to near-ties within the tolerance (where a
         # continuation differs, it is scored in transformers).
-        differ = [i for i, (a, b) in enumerate(zip(exported["greedy"], reference["greedy"])) if list(a) != list(b)]
-        sub = VllmRequest(tuple(self.request.prompts[i] for i in differ), self.request.greedy_tokens)
-        record["greedy_max_margin"] = greedy_margin(model, sub, [exported["greedy"][i] for i in differ], upcast)
+        differ = [(prompt, ours) for prompt, ours, theirs in zip(self.request.prompts, exported["greedy"],
+                                                                 reference["greedy"]) if list(ours) != list(theirs)]
+        record["greedy_max_margin"] = greedy_margin(model, differ, upcast)
         record["verified"] = (record["max_abs_logprob_diff"] <= record["tolerance"]
                               and record["greedy_max_margin"] <= record["tolerance"])
         record["example"] = {"prompt_tail": self.tokenizer.decode(self.request.prompts[0][-12:]),
@@ -232,9 +233,10 @@ def _report(record: dict) -> None:
 
 
 def prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Tensor, python: str | None,
-                 measure_speed: bool) -> VllmStage | dict:
+                 measure_speed: bool, files: dict[str, Path] | None) -> VllmStage | dict:
     """The stage, ready to run once the export is reloaded; or the record of why the export is not run in vLLM
-    (no vLLM found, or a layout vLLM has no class for). ``python``: the one the user named, if any."""
+    (no vLLM found, or a layout vLLM has no class for). ``python``: the one the user named, if any; ``files``: the
+    source's safetensors weight map when the export streams from it (exporters/stream.py), else None."""
     found = vllm_python(python)
     if found is None:
         say(f"no vLLM found: the export is written, not verified in vLLM; {INSTALL_HINT}")
@@ -245,22 +247,21 @@ def prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Te
         return not_verified(f"vLLM has no {family} class the plugin builds per layer")
     request = VllmRequest(tuple(tuple(row) for row in ids.tolist()), GREEDY_TOKENS,
                           throughput=THROUGHPUT if measure_speed else None)
-    original, scratch = _unpruned_directory(lm, out)
+    original, scratch = _unpruned_directory(lm, out, files)
     reference = transformers_reference(lm.model, request, lm.dtype != torch.float32)
     return VllmStage(found, original, scratch, request, reference, lm.tokenizer)
 
 
-def _unpruned_directory(lm: LoadedModel, out: Path) -> tuple[Path, Path | None]:
+def _unpruned_directory(lm: LoadedModel, out: Path, files: dict[str, Path] | None) -> tuple[Path, Path | None]:
     """(the directory vLLM loads the unpruned model from, the copy to remove afterwards or None): the source's own
-    directory when it is plain safetensors with its config and tokenizer, else the model written to a hidden
-    directory of the staging directory."""
-    source = source_directory(lm) if streamable(lm) is not None else None
+    directory when the export streams from its safetensors and it holds the config and tokenizer, else the model
+    written to a hidden directory of the staging directory."""
+    source = next(iter(files.values())).parent if files else None
     if source is not None and (source / "config.json").is_file() and any((source / name).is_file()
                                                                          for name in TOKENIZER_FILES):
         return source, None
     scratch = out / UNPRUNED_DIR
-    check_space(out, sum(p.numel() * p.element_size() for p in lm.model.parameters()),
-                "the unpruned copy vLLM runs beside the export")
+    check_space(out, weight_bytes(lm.model), "the unpruned copy vLLM runs beside the export")
     lm.model.save_pretrained(scratch)
     lm.tokenizer.save_pretrained(scratch)
     return scratch, scratch

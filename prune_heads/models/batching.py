@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from prune_heads.models.counting import weight_bytes
+
 if TYPE_CHECKING:
     from prune_heads.models.loading import LoadedModel
 
@@ -42,7 +44,7 @@ class PassBudget:
 def pass_budget(lm: "LoadedModel") -> PassBudget:
     c, geos = lm.config, lm.arch.geometries(lm.model)
     size = lm.dtype.itemsize
-    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    weights = weight_bytes(lm.model)
     heads = max(g.num_heads * g.head_dim for g in geos)  # query width
     kv = sum(2 * g.num_kv_heads * g.head_dim for g in geos)
     # residual + normed hidden states, the MLP's three intermediates, q/k/v/output and the fused-statistics copies

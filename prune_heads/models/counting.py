@@ -27,6 +27,11 @@ def model_parameters(model) -> int:
     return count_parameters({n: p.shape for n, p in model.named_parameters()}, is_tied(model.config))
 
 
+def weight_bytes(model) -> int:
+    """Bytes of a loaded model's parameters as they are held (each tensor once, tied ones included)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def safetensors_shapes(paths: Iterable[str | Path]) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of every tensor in these safetensors files (headers only, checked to be whole)."""
     from prune_heads.models.checks import safetensors_header

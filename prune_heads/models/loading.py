@@ -17,6 +17,7 @@ from prune_heads.io.files import sha256_file
 from prune_heads.io.readers import read_json
 from prune_heads.models.adapters import ArchAdapter, adapter_for
 from prune_heads.models.checks import check_checkpoint, check_config
+from prune_heads.models.counting import weight_bytes
 from prune_heads.models.dtypes import DtypeChoice, auto_dtype, available_bytes
 from prune_heads.models.gguf_weights import load_gguf_model
 from prune_heads.models.placement import input_device
@@ -315,7 +316,7 @@ def load_model(spec: str, dtype: "str | DtypeChoice" = "auto", device: str = "au
     source.revision = options.revision or getattr(config, "_commit_hash", None)
     lm = LoadedModel(model, tokenizer, arch, source, torch_dtype, dev, extra)
     LOG.debug("weights loaded", extra={"event": "weights_loaded",
-                                       "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
+                                       "weights_bytes": weight_bytes(model)})
     return lm
 
 
