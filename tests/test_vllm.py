@@ -70,6 +70,31 @@ def test_per_layer_exports_run_in_vllm_through_the_plugin(family, tmp_path):
     _assert_verified(out, result, f"Pruned{type(lm.model).__name__}")
 
 
+def test_the_export_command_runs_vllm_on_the_source_directory_itself(tmp_path, capsys, monkeypatch):
+    """`prune-heads export --vllm-python` from a safetensors checkpoint: vLLM runs the source directory as the
+    unpruned model (no copy is written) and the record reaches prune_heads.json."""
+    from tiny import run_cli
+
+    import exporters.runtimes.vllm_check as vllm_check
+
+    def no_copy(*args):
+        raise AssertionError("the unpruned model was copied although its source directory loads in vLLM")
+    monkeypatch.setattr(vllm_check, "check_space", no_copy)
+    lm = tiny_model("llama", **REAL_SHAPES["llama"])  # vLLM's CPU attention takes head_dim 32, not the default 16
+    source = tmp_path / "model"
+    lm.model.save_pretrained(source)
+    lm.tokenizer.save_pretrained(source)
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"0": [0], "2": [1, 3]}))
+    out = tmp_path / "pruned"
+    code, _, err = run_cli(["export", "--model", source, "--heads", heads, "--out", out, "--no-task-eval",
+                            "--no-progress", "--dtype", "float32", "--vllm-python", PYTHON], capsys)
+    assert code == 0, err
+    record = json.loads((out / MANIFEST).read_text())["vllm"]
+    assert record["verified"] and record["architecture"] == "PrunedLlamaForCausalLM", record
+    assert record["max_abs_logprob_diff"] <= record["tolerance"]
+
+
 def test_an_export_vllm_computes_differently_is_refused(tmp_path, monkeypatch):
     """The check can fail: the export's files changed after the reload was checked (a layer's o_proj negated and
     tripled) are caught in vLLM, and the export is refused."""
