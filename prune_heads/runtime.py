@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 MODEL_TYPE_PREFIX = "pruned_"
+CLASS_PREFIX = "Pruned"  # PrunedLlamaConfig, PrunedLlamaForCausalLM, ...
 HEADS_FIELD = "per_layer_heads"
 # family (the stock model_type) -> (its transformers module, config class, causal LM class)
 FAMILIES = {
@@ -72,6 +73,11 @@ def rebuild_attention(model: nn.Module, heads: list) -> None:
             layer.self_attn = type(layer.self_attn)(layer_config(model.config, num_heads, num_kv), i)
 
 
+def pruned_name(stock_name: str) -> str:
+    """The name of the per-layer class made from the stock class ``stock_name``."""
+    return CLASS_PREFIX + stock_name
+
+
 def _stock(family: str, index: int) -> type:
     module, *names = FAMILIES[family]
     return getattr(importlib.import_module(f"transformers.models.{module}"), names[index])
@@ -95,8 +101,8 @@ def pruned_config_class(family: str) -> type:
             pruned_model_class(family)  # joins AutoModelForCausalLM before from_pretrained looks the config up
 
         attrs = {"model_type": MODEL_TYPE_PREFIX + family, "__post_init__": __post_init__}
-        _CLASSES[family] = (_named(type(stock)(f"Pruned{stock.__name__}", (stock,), attrs), f"Pruned{stock.__name__}"),
-                            None)
+        name = pruned_name(stock.__name__)
+        _CLASSES[family] = (_named(type(stock)(name, (stock,), attrs), name), None)
     return _CLASSES[family][0]
 
 
@@ -111,7 +117,7 @@ def pruned_model_class(family: str) -> type:
             rebuild_attention(self, getattr(config, HEADS_FIELD))
             self.post_init()
 
-        name = f"Pruned{stock.__name__}"
+        name = pruned_name(stock.__name__)
         model_class = _named(type(stock)(name, (stock,), {"config_class": config_class, "__init__": __init__}), name)
         _CLASSES[family] = (config_class, model_class)
         from transformers import AutoModelForCausalLM
@@ -136,7 +142,7 @@ def register() -> None:
 def __getattr__(name: str):
     """``PrunedLlamaForCausalLM`` and the rest by name, before their first use (unpickling, ``auto_map``)."""
     for family in FAMILIES:
-        config_name, model_name = (f"Pruned{n}" for n in FAMILIES[family][1:])
+        config_name, model_name = (pruned_name(n) for n in FAMILIES[family][1:])
         if name in (config_name, model_name):
             pruned_classes(family)
             return globals()[name]

@@ -18,7 +18,7 @@ import importlib
 import re
 import sys
 
-from prune_heads.runtime import FAMILIES, HEADS_FIELD
+from prune_heads.runtime import FAMILIES, HEADS_FIELD, pruned_name
 from prune_heads.runtime import register as register_configs
 
 # family -> vLLM's module and causal LM class for it (vllm.model_executor.models.<module>). vLLM's Qwen2Attention
@@ -39,7 +39,7 @@ _BUILT: dict[str, type] = {}
 
 def class_name(family: str) -> str:
     """The architecture name a per-layer export's config.json gives (prune_heads.runtime's model class)."""
-    return f"Pruned{FAMILIES[family][2]}"
+    return pruned_name(FAMILIES[family][2])
 
 
 def register() -> None:
