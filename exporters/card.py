@@ -1,17 +1,42 @@
 """The model card (README.md with Hub metadata) of an export."""
 from __future__ import annotations
 
+import re
+
 import yaml
+
+from exporters.manifest import source_name
+from exporters.speed import speedup_text
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
+def code(value: object) -> str:
+    """A value that came from a user (a model name, a file name, a path) as a Markdown code span: shown verbatim,
+    never read as markup (headings, links, HTML). Control characters and line breaks become U+FFFD; the fence is
+    longer than any run of backticks inside."""
+    text = re.sub(r"[\x00-\x1f\x7f\u2028\u2029]", "\ufffd", str(value))
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def plain(value: object) -> str:
+    """A sentence that may hold a user's value, as Markdown text that renders as written: line breaks and control
+    characters become spaces, and every character Markdown or HTML reads as markup is backslash-escaped."""
+    text = re.sub(r"[\x00-\x1f\x7f\u2028\u2029]", " ", str(value))
+    return re.sub(r"([\\`*_{}\[\]()<>#+!|~-])", r"\\\1", text)
+
+
 def _front(meta: dict) -> list[str]:
-    src = meta["source_model"]
+    """The card's metadata, which the Hub reads: ``base_model`` only where the source is a real Hub repository."""
+    hub_id = (meta["source_model"] or {}).get("hub_id")
     front = {
-        "base_model": src.get("hub_id") or src.get("spec"),
+        **({"base_model": hub_id} if hub_id and _HUB_ID.fullmatch(hub_id) else {}),
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
         "tags": ["pruned", "attention-head-pruning", "prune-heads", meta["layout"]],
@@ -33,11 +58,12 @@ def _summary_table(meta: dict) -> list[str]:
     if "prefill_speedup" in speed:
         pre, dec = speed["prefill_tokens_per_s"], speed["decode_tokens_per_s"]
         where = f"{speed['device']}, {speed['dtype']}, batch {speed['batch']}"
-        lines += [f"| prefill tokens/s ({speed['prompt_tokens']}-token prompt; {where}) | {pre['original']:,.1f} | "
-                  f"{pre['shipped']:,.1f} (x{speed['prefill_speedup']:.2f}; FLOPs predict "
+        rounds = f"median of {speed['rounds']} alternating rounds"
+        lines += [f"| prefill tokens/s ({speed['prompt_tokens']}-token prompt; {where}; {rounds}) | "
+                  f"{pre['original']:,.1f} | {pre['shipped']:,.1f} ({speedup_text(speed, 'prefill')}; FLOPs predict "
                   f"x{speed['flops_predicted_prefill_speedup']:.2f}) |",
-                  f"| decode tokens/s ({where}) | {dec['original']:,.1f} | {dec['shipped']:,.1f} "
-                  f"(x{speed['decode_speedup']:.2f}) |"]
+                  f"| decode tokens/s ({where}; {rounds}) | {dec['original']:,.1f} | {dec['shipped']:,.1f} "
+                  f"({speedup_text(speed, 'decode')}) |"]
     task = meta.get("task_eval") or {}
     if task:
         ci = task.get("ci95_points", [float("nan")] * 2)
@@ -186,10 +212,24 @@ def _title(meta: dict, base: str) -> str:
     stats = meta["stats"]
     removed = stats.get("removed") or {}
     if stats.get("padded_to_original_shape"):
-        return (f"# {base}, {stats['heads_silenced']} attention heads silenced (padded to the original shape: no "
-                "parameters removed)")
+        return (f"# {code(base)}, {stats['heads_silenced']} attention heads silenced (padded to the original shape: "
+                "no parameters removed)")
     heads, parameters = removed.get("query_heads", 0), removed.get("parameters", 0)
-    return f"# {base}, {heads} query heads and {parameters:,} parameters removed"
+    return f"# {code(base)}, {heads} query heads and {parameters:,} parameters removed"
+
+
+def _what_the_weights_hold(meta: dict) -> str:
+    """What the export did to the weights, from its layout and the shapes it wrote: cut, padded or masked."""
+    stats = meta["stats"]
+    if not meta.get("heads_removed"):
+        return "No heads were removed: the weights are the original's."
+    if meta["layout"] == "masked":
+        return ("The removed heads are zeroed in place (their o_proj columns are zero); every tensor keeps the "
+                "original shape, so nothing is smaller: this layout is for runtimes that need the stock shape.")
+    if stats.get("padded_to_original_shape"):
+        return ("The removed heads are silenced, and each layer is padded back to the original head count with zero "
+                "heads so that one head count fits every layer: the shapes, and the parameter count, are unchanged.")
+    return "The removed heads' q/k/v rows and o_proj columns are cut from the weights."
 
 
 def _provenance(meta: dict) -> str:
@@ -198,21 +238,20 @@ def _provenance(meta: dict) -> str:
         f", and {meta.get('task') or 'the task'} on the reloaded export" if meta.get("task_eval") else "")
     source = meta.get("heads_file")
     if source:
-        return (f"the heads listed in `{source['name']}` (sha256 `{source['sha256'][:16]}`), removed as given (no "
-                f"budget search); verified: {checked}")
-    return (f"heads ranked by `{meta['scorer']}`, the largest set within a budget of {meta['budget']} verified"
+        return (f"the heads listed in {code(source['name'])} (sha256 `{source['sha256'][:16]}`), removed as given "
+                f"(no budget search); verified: {checked}")
+    return (f"heads ranked by `{meta['scorer']}`, the largest set within a budget of {code(meta['budget'])} verified"
             + (f" ({meta['budget_definition']})" if meta.get("budget_definition") else "")
             + f"; then checked: {checked}")
 
 
 def model_card(meta: dict) -> str:
-    src = meta["source_model"]
-    base = src.get("hub_id") or src.get("spec")
+    base = source_name(meta)
     v, heal = meta["verification"], meta.get("healing")
     lines = _front(meta) + [
         _title(meta, base), "",
-        f"Pruned with [prune-heads](https://github.com/prune-heads/prune-heads) {meta['prune_heads_version']}: "
-        f"{_provenance(meta)}. The removed heads' q/k/v rows and o_proj columns are cut from the weights.", ""]
+        f"Pruned with prune-heads {meta['prune_heads_version']} from {code(base)}: {_provenance(meta)}. "
+        f"{_what_the_weights_hold(meta)}", ""]
     lines += _summary_table(meta)
     lines += ["", f"Layout: **{meta['layout']}** ({meta['layout_reason']}).", ""]
     if heal:
@@ -220,7 +259,7 @@ def model_card(meta: dict) -> str:
                   f"on {heal['texts']} held-out texts (seed {heal['seed']}), merged into the weights; removed and "
                   "padding heads were kept silent during training and stay removed.", ""]
     for w in meta.get("warnings", []):
-        lines += [f"> **Warning:** {w}", ""]
+        lines += [f"> **Warning:** {plain(w)}", ""]
     lines += _how_to_load(meta)
     lines += _long_context(meta)
     lines += ["## Verification", "",

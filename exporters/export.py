@@ -20,9 +20,10 @@ from exporters.card import model_card
 from exporters.checkpoint import reload_export, write_checkpoint
 from exporters.gguf.export import export_gguf
 from exporters.logits import SpilledLogits, check_logits, compare_models, reference_logits, sample_prompts
-from exporters.manifest import MANIFEST, build_manifest, export_bytes, export_stats, files_digest
+from exporters.manifest import MANIFEST, build_manifest, export_bytes, export_stats, files_digest, sealed
 from exporters.runtimes.vllm_check import VllmStage, not_verified, prepare_vllm
 from exporters.speed import measure_speed as measure
+from exporters.speed import speedup_text
 from exporters.stream import streamable
 from prune_heads import memory
 from prune_heads.console import say
@@ -131,6 +132,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, options: ExportOpt
         meta["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
                          if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
         meta["verified"] = True
+        meta = sealed(meta)
         write_json(out / MANIFEST, meta)  # last: its presence with verified=true marks a complete export
         return ExportResult(choice, stats, verification, task_eval, meta, shipped.speed, gguf, vllm)
 
@@ -276,8 +278,8 @@ def _speed(lm: LoadedModel, pruned) -> dict:
     except Exception as e:  # noqa: BLE001  (timing must never lose a verified export)
         return {"skipped": f"{type(e).__name__}: {str(e)[:120]}"}
     say(f"speed of the export against the original ({speed['dtype']}, {speed['device']}, batch {speed['batch']}): "
-        f"prefill x{speed['prefill_speedup']:.2f} (FLOPs predict x{speed['flops_predicted_prefill_speedup']:.2f}), "
-        f"decode x{speed['decode_speedup']:.2f}")
+        f"prefill {speedup_text(speed, 'prefill')} (FLOPs predict x{speed['flops_predicted_prefill_speedup']:.2f}), "
+        f"decode {speedup_text(speed, 'decode')}")
     return speed
 
 

@@ -5,9 +5,11 @@ The token comes from ``HF_TOKEN`` or the cached ``hf auth login``; it is never p
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from exporters.manifest import MANIFEST, read_manifest
+from exporters.manifest import MANIFEST, read_manifest, source_name
 from prune_heads.console import say
 from prune_heads.errors import UserError
 
@@ -47,6 +49,43 @@ def _refused(error, repo_id: str) -> UserError:
     return UserError(f"the Hub refused {repo_id} (HTTP {status}{reason}); {hint}")
 
 
+@dataclass(frozen=True)
+class _Landing:
+    """Where a push lands, read before anything changes: whether the repo exists, whether it is private, and the
+    files already on the revision the push commits to (a branch not made yet starts from main, with main's files)."""
+
+    exists: bool
+    private: bool
+    files: frozenset[str]
+
+
+def _landing(api, repo_id: str, branch: str | None) -> _Landing:
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        info = api.repo_info(repo_id, revision=branch)
+    except RepositoryNotFoundError:
+        return _Landing(False, False, frozenset())
+    except RevisionNotFoundError:
+        info = api.repo_info(repo_id)
+    files = frozenset(s.rfilename for s in info.siblings or []) - {".gitattributes"}
+    return _Landing(True, bool(info.private), files)
+
+
+@contextmanager
+def _hub_errors(api, repo_id: str):
+    """Any failure talking to the Hub as one line: its refusal, or that it could not be reached."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        yield
+    except HfHubHTTPError as e:
+        raise _refused(e, repo_id) from None
+    except Exception as e:  # noqa: BLE001  (no network, DNS, TLS, offline mode: never a traceback, never the token)
+        raise UserError(f"could not reach the Hub at {api.endpoint} ({type(e).__name__}); check your network, "
+                        "HF_ENDPOINT and HF_HUB_OFFLINE") from None
+
+
 def push_export(directory: str | Path, repo_id: str, private: bool = False, branch: str | None = None,
                 commit_message: str | None = None, force: bool = False) -> str:
     from huggingface_hub import HfApi
@@ -58,26 +97,23 @@ def push_export(directory: str | Path, repo_id: str, private: bool = False, bran
     if branch is not None:
         check_branch(branch)
     api = HfApi()
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        if private and not api.repo_info(repo_id).private:  # an existing public repo: made private, and said
+    with _hub_errors(api, repo_id):
+        landing = _landing(api, repo_id, branch)
+    if landing.files and not force:  # every refusal before anything on the Hub changes
+        shown = ", ".join(sorted(landing.files)[:3]) + ("..." if len(landing.files) > 3 else "")
+        raise UserError(f"{repo_id} already has files ({shown}); pass `force` to overwrite them, or choose another "
+                        "`push_to` or `branch`")
+    with _hub_errors(api, repo_id):
+        if not landing.exists:
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        elif private and not landing.private:  # an existing public repo: made private, and said
             api.update_repo_settings(repo_id, private=True)
             say(f"{repo_id} existed and was public; made it private as `private` asks", fg="green")
         if branch and branch != "main":
             api.create_branch(repo_id, branch=branch, exist_ok=True)
-        existing = set(api.list_repo_files(repo_id, revision=branch)) - {".gitattributes"}
-    except HfHubHTTPError as e:
-        raise _refused(e, repo_id) from None
-    except Exception as e:  # noqa: BLE001  (no network, DNS, TLS, offline mode: never a traceback, never the token)
-        raise UserError(f"could not reach the Hub at {api.endpoint} ({type(e).__name__}); check your network, "
-                        "HF_ENDPOINT and HF_HUB_OFFLINE") from None
-    if existing and not force:
-        shown = ", ".join(sorted(existing)[:3]) + ("..." if len(existing) > 3 else "")
-        raise UserError(f"{repo_id} already has files ({shown}); pass `force` to overwrite them, or choose another "
-                        "`push_to` or `branch`")
     files = sorted(meta["files"]) + [MANIFEST]
     message = commit_message or (f"prune-heads: {meta['heads_removed']} attention heads removed from "
-                                 f"{meta['source_model'].get('spec')} ({meta['layout']} layout)")
+                                 f"{source_name(meta)} ({meta['layout']} layout)")
     try:
         info = api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model", revision=branch,
                                  commit_message=message, allow_patterns=files)

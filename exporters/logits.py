@@ -3,12 +3,14 @@ float32 module by module (both ways exact for bf16/fp16 weights, one module's fl
 tolerance set by precision."""
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
+from prune_heads.errors import UserError
 from prune_heads.eval.encoding import EncodedTask
 from prune_heads.models.dtypes import available_bytes
 from prune_heads.models.loading import LoadedModel
@@ -182,10 +184,10 @@ def check_logits(candidate: torch.nn.Module, ids: torch.Tensor, expected: Iterab
         for row, want in zip(ids, expected):
             got = candidate(input_ids=row[None]).logits.float().cpu()
             same += int((got.argmax(-1) == want.argmax(-1)).sum())
-            largest = max(largest, float(want.max()), -float(want.min()))
+            largest = max(largest, float(want.abs().max().nan_to_num(0.0, 0.0, 0.0)))
             # In place: a prompt's full-vocabulary float32 logits are a sizeable block (Qwen2-0.5B: 96 tokens x
             # 151,936 = 56 MiB), and neither the difference nor its magnitude needs one of its own.
-            diff = max(diff, float(got.sub_(want).abs_().max()))
+            diff = max(diff, worst_difference(got.sub_(want).abs_()))
             del got, want  # not alive through the next prompt's forward
     tol = check_difference(diff, largest, precision, what)
     return {"max_abs_logit_diff": diff, "tolerance": round(tol, 6), "compared_in": str(precision).replace("torch.", ""),
@@ -202,9 +204,22 @@ def compare_models(reference: torch.nn.Module, candidate: torch.nn.Module, ids: 
     return check_logits(candidate, ids, expected, dtype, precision, what)
 
 
+def worst_difference(diff) -> float:
+    """The largest of ``diff`` (a tensor or array of absolute differences), infinite when any is not a finite number:
+    a NaN is no evidence of agreement, and Python's ``max`` and ``>`` would let it pass as none."""
+    if (diff.numel() if torch.is_tensor(diff) else diff.size) == 0:
+        return 0.0
+    worst = float(diff.max())  # both torch's and numpy's max propagate NaN
+    return worst if math.isfinite(worst) else math.inf
+
+
 def check_difference(diff: float, largest: float, dtype: torch.dtype, what: str) -> float:
-    """The tolerance for logits whose largest magnitude is ``largest``; beyond it, an error."""
+    """The tolerance for logits whose largest magnitude is ``largest``; beyond it (or not a finite number), an
+    error."""
     tol = LOGIT_RTOL.get(dtype, 1e-4) * max(1.0, largest)
+    if not math.isfinite(diff):
+        raise UserError(f"{what} computes logits that are not finite numbers (NaN or infinity) where the verified "
+                        "model's are finite; nothing was published (compute in float32: `dtype` float32)")
     if not diff <= tol:
         raise RuntimeError(f"{what} does not reproduce the verified ablated model: max |logit diff| {diff:.3g} > "
                            f"{tol:g}; nothing was published (please report this as a bug)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 from pathlib import Path
 
 from exporters.gguf.writer import GGUF_BYTES_PER_VALUE
@@ -12,7 +13,7 @@ from exporters.logits import bytes_per_value
 from prune_heads import __version__
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
-from prune_heads.io.files import sha256_file
+from prune_heads.io.files import json_safe, sha256_file
 from prune_heads.io.readers import check_manifest, read_json
 from prune_heads.models.counting import is_tied, model_parameters
 from prune_heads.models.loading import LoadedModel
@@ -72,7 +73,7 @@ def build_manifest(lm: LoadedModel, heads: HeadSet, choice: LayoutChoice, found:
         "format": "prune-heads/2",
         "prune_heads_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source_model": {**lm.source.to_json(), **({"hub_id": lm.source.spec} if lm.source.kind == "hub" else {})},
+        "source_model": lm.source.published(),
         "removed_heads": heads.to_json(),
         "heads_removed": len(heads),
         "heads_file": info.get("heads_file"),  # prune-heads export: the given heads' file (name, sha256)
@@ -95,6 +96,26 @@ def build_manifest(lm: LoadedModel, heads: HeadSet, choice: LayoutChoice, found:
     }
 
 
+SEALED = "manifest_sha256"  # the manifest's own digest: a hand-edited manifest no longer matches it
+
+
+def manifest_digest(meta: dict) -> str:
+    """sha256 of the manifest's content without its own digest, as JSON with sorted keys (what it reads back as)."""
+    body = {k: v for k, v in json_safe(meta).items() if k != SEALED}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
+
+
+def sealed(meta: dict) -> dict:
+    """``meta`` with its digest, written last into prune_heads.json beside the files' digests."""
+    return {**meta, SEALED: manifest_digest(meta)}
+
+
+def source_name(meta: dict) -> str:
+    """The source model's name in a manifest (an older manifest's ``spec``)."""
+    src = meta.get("source_model") or {}
+    return str(src.get("name") or src.get("hub_id") or src.get("spec") or "unknown")
+
+
 def read_manifest(directory: Path) -> dict:
     """The manifest of a complete, verified export, or a UserError saying what is wrong."""
     path = Path(directory) / MANIFEST
@@ -104,6 +125,9 @@ def read_manifest(directory: Path) -> dict:
     meta = check_manifest(read_json(path, "manifest"), path)
     if not meta.get("verified"):
         raise UserError(f"{directory} was not verified; export it again")
+    if SEALED in meta and meta[SEALED] != manifest_digest(meta):
+        raise UserError(f"{directory} was modified after export: {MANIFEST} does not match its recorded sha256 "
+                        "(what it says of the heads, the source or the checks was edited); export again")
     for name, digest in (meta.get("files") or {}).items():
         f = Path(directory) / name
         if not f.is_file():

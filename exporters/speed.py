@@ -1,8 +1,9 @@
 """The speed-up of the model that ships, measured in the run: prefill and decode tokens/s of the reloaded export
-against the original, in alternating rounds (so drift in the machine's speed hits both alike), median of the
-per-round ratios, beside the speed-up the FLOPs predict."""
+against the original, in alternating rounds (so drift in the machine's speed hits both alike): the ratio of the two
+medians shown beside it, a 95% interval from the rounds' paired ratios, and the speed-up the FLOPs predict."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -83,15 +84,43 @@ def measure_speed(original, shipped, arch, batch: int = 1, prompt: int = 256, ne
                 peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated(device))
     prefill = {n: [batch * prompt / t[0] for t in ts] for n, ts in times.items()}
     decode = {n: [batch * new_tokens / t[1] for t in ts] for n, ts in times.items()}
-    ratio = lambda d: statistics.median(s / o for s, o in zip(d["shipped"], d["original"]))  # noqa: E731
     predicted = flops_per_token(original, arch, prompt) / flops_per_token(shipped, arch, prompt)
     return {"device": device.type, "dtype": str(next(original.parameters()).dtype).replace("torch.", ""),
             "batch": batch, "prompt_tokens": prompt, "decode_tokens": new_tokens, "rounds": rounds,
             "prefill_tokens_per_s": {n: round(statistics.median(v), 2) for n, v in prefill.items()},
             "decode_tokens_per_s": {n: round(statistics.median(v), 2) for n, v in decode.items()},
-            "prefill_speedup": round(ratio(prefill), 4), "decode_speedup": round(ratio(decode), 4),
+            **paired_speedup("prefill", prefill["shipped"], prefill["original"]),
+            **paired_speedup("decode", decode["shipped"], decode["original"]),
             "flops_predicted_prefill_speedup": round(predicted, 4),
             "weight_bytes": {n: weight_bytes(m) for n, m in models.items()},
             # The KV cache both hold after prompt + decode (measured); with the weights, what serving keeps resident.
             "kv_cache_bytes": {n: ts[-1][2] for n, ts in times.items()},
             **({"cuda_peak_bytes": peaks} if peaks else {})}
+
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def paired_speedup(name: str, shipped: list[float], original: list[float]) -> dict:
+    """``{name}_speedup``: the median of ``shipped``'s throughputs over the median of ``original``'s (the figures
+    printed beside it); ``{name}_speedup_ci95``: a 95% interval from the rounds' paired ratios (Student's t on their
+    logarithms); ``{name}_measurable``: whether that interval leaves out 1 (no difference)."""
+    ratio = statistics.median(shipped) / statistics.median(original)
+    logs = [math.log(s / o) for s, o in zip(shipped, original)]
+    if len(logs) > 1:
+        half = T975.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+        centre = statistics.mean(logs)
+        low, high = math.exp(centre - half), math.exp(centre + half)
+    else:
+        low, high = 0.0, math.inf
+    return {f"{name}_speedup": round(ratio, 4), f"{name}_speedup_ci95": [round(low, 4), round(high, 4)],
+            f"{name}_measurable": not low <= 1.0 <= high}
+
+
+def speedup_text(speed: dict, name: str) -> str:
+    """``x1.25 [1.10, 1.42]``, or ``no measurable difference (x0.98 [0.90, 1.07])`` where the interval holds 1."""
+    ratio, ci = speed[f"{name}_speedup"], speed.get(f"{name}_speedup_ci95")
+    if ci is None:  # a record of an older version
+        return f"x{ratio:.2f}"
+    text = f"x{ratio:.2f} [95% CI {ci[0]:.2f}, {ci[1]:.2f}]"
+    return text if speed.get(f"{name}_measurable") else f"no measurable difference ({text})"

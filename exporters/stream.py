@@ -24,11 +24,10 @@ import torch
 from safetensors import safe_open
 
 from prune_heads.io.files import write_json
+from prune_heads.models.checks import INDEX, SINGLE, checkpoint_files, checkpoint_weight_map
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.planner import PrunePlan
 from prune_heads.plan.slicing import apply_layer_plan
-
-SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def source_directory(lm: LoadedModel) -> Path | None:
@@ -47,13 +46,11 @@ def source_directory(lm: LoadedModel) -> Path | None:
 
 
 def weight_map(directory: Path) -> dict[str, Path] | None:
-    """Tensor name -> the safetensors file holding it, from the index or the single file; None without one."""
-    if (directory / INDEX).is_file():
-        index = json.loads((directory / INDEX).read_text())["weight_map"]
-        return {name: directory / file for name, file in index.items()}
-    if (directory / SINGLE).is_file():
-        return dict.fromkeys(source_layout(directory / SINGLE), directory / SINGLE)
-    return None
+    """Tensor name -> the safetensors file holding it, for the files transformers loaded (the single file first,
+    else the index's shards: ``checkpoint_files``); None without either."""
+    if checkpoint_files(directory, str(directory)) is None:
+        return None
+    return checkpoint_weight_map(directory, str(directory))
 
 
 def _skeleton(lm: LoadedModel) -> torch.nn.Module:

@@ -229,7 +229,7 @@ def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResu
     from prune_heads.io.cache import digest
 
     merged = run.lm
-    out = slice_adapter(run.settings.lora_adapter, run.stage, run.stage / "adapter")
+    out = slice_adapter(run.settings.lora_adapter, run.stage, run.stage / "adapter", check=False)
     model = load_sliced(merged, run.stage, out)
     check = check_sliced(merged, model, plan, run.enc)
     reloaded = LoadedModel(model, merged.tokenizer, merged.arch, merged.source, merged.dtype, merged.device)

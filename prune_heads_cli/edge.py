@@ -46,6 +46,29 @@ def disk_full(directory: Path, what: str, needed: int | None = None) -> None:
     sys.exit(2)
 
 
+def path_problem(error: BaseException) -> str | None:
+    """A path the file system refuses, as one line naming the path and the limit (None: not such an error): a name
+    longer than the file system allows (ENAMETOOLONG), or a name that cannot be encoded for it."""
+    import errno
+
+    from prune_heads.io.files import NAME_MAX
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENAMETOOLONG:
+            path = os.fsdecode(error.filename or "?")
+            longest = max((len(os.fsencode(part)) for part in Path(path).parts), default=0)
+            return (f"the path {path[:60]}{'...' if len(path) > 60 else ''} is too long for the file system: a name "
+                    f"in it has {longest} bytes, more than the {NAME_MAX} a file or directory name may have (a whole "
+                    "path at most 4096); choose a shorter name")
+        if isinstance(error, UnicodeEncodeError) and "surrogate" in str(error):
+            return (f"the name {error.object[:60]!r} holds bytes that are not UTF-8, which the model libraries cannot "
+                    "use; rename the file or directory with UTF-8 characters only")
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def terminate(signum, frame):
     raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: through the same clean-up path
 

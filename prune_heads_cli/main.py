@@ -15,11 +15,12 @@ from pathlib import Path
 import click
 
 from prune_heads.data.probes import PROBES
-from prune_heads.errors import DiskFull, UserError, is_disk_full
+from prune_heads.errors import DiskFull, UserError
 from prune_heads.heads import SCORE_KEYS
+from prune_heads.io.diskspace import failed_for_space
 from prune_heads.search.budget import METRIC_CHOICES
 from prune_heads_cli.console import learn_flags, show_core_messages, worded
-from prune_heads_cli.edge import disk_full, interrupted, terminate, unexpected, written_directory
+from prune_heads_cli.edge import disk_full, interrupted, path_problem, terminate, unexpected, written_directory
 from prune_heads_cli.memory import install_policy
 from prune_heads_cli.options import (
     as_rank,
@@ -27,6 +28,7 @@ from prune_heads_cli.options import (
     common_options,
     csv_list,
     export_options,
+    flag_paths,
     load_heads,
     prepare,
     probe_options,
@@ -189,7 +191,9 @@ def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, vll
 def push(directory, repo_id, private, branch, commit_message, force):
     """Publish a complete, verified export (token from HF_TOKEN or the cached login; never printed)."""
     from exporters.hub import push_export
+    from prune_heads.io.files import check_path_names
 
+    check_path_names({"DIRECTORY": directory})
     push_export(directory, repo_id, private, branch, commit_message, force)
 
 
@@ -271,11 +275,12 @@ def adapt(adapter_dir, pruned, out, force):
     loads it)."""
     from exporters.lora import read_adapter_config, slice_adapter
     from exporters.manifest import read_manifest
-    from prune_heads.io.files import StagedDirectory
+    from prune_heads.io.files import StagedDirectory, check_path_names
 
+    check_path_names({"out": out, **flag_paths(named=True)})
     read_adapter_config(adapter_dir)
     read_manifest(pruned)
-    with StagedDirectory(out, force, inputs=(adapter_dir, pruned)) as staged:
+    with StagedDirectory(out, force, None, inputs=flag_paths()) as staged:
         slice_adapter(adapter_dir, pruned, staged.path)
     click.secho(f"sliced adapter written to {out} (load it with PeftModel.from_pretrained on {pruned})", err=True,
                 fg="green")
@@ -313,7 +318,10 @@ def main(argv: list[str] | None = None) -> None:
         click.secho(f"error: {e.format_message()} (see prune-heads --help)", err=True, fg="red")
         sys.exit(2)
     except Exception as e:  # noqa: BLE001  (the outer handler: anything else is a bug, reported in one line)
-        if is_disk_full(e):  # a write outside the export (cache entry, report, plot): where it was writing
+        if path_problem(e):  # a name longer than the file system allows, or one it cannot encode
+            click.secho(f"error: {path_problem(e)}", err=True, fg="red")
+            sys.exit(2)
+        if failed_for_space(e, written_directory(e)):  # a write outside the export (cache, report, plot)
             disk_full(written_directory(e), "the run's files")
         unexpected(e)
     sys.exit(0)

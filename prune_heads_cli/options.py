@@ -14,6 +14,7 @@ from exporters.gguf.writer import GGUF_TYPES
 from prune_heads.data.tasks import TASKS
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
+from prune_heads.io.files import check_path_names
 
 
 def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject", auto: bool = False) -> int | None | str:
@@ -170,6 +171,7 @@ def prepare(kw: dict, main_command: bool = False, **extra):
         raise UserError("--model is required; pass a Hub id, a local directory, a .gguf file, or 'smollm2-135m'")
     if not kw.get("out"):
         raise UserError("--out is required; pass a directory for the results")
+    check_path_names({"model": kw["model"], "out": kw["out"], **flag_paths(named=True)})
     if kw.get("no_progress"):
         _quiet_libraries()
     if not main_command:
@@ -197,7 +199,24 @@ def prepare(kw: dict, main_command: bool = False, **extra):
                                 **flags, **extra)
     if settings.export_format != "safetensors":  # the family's llama.cpp architecture, before anything loads
         settings = dataclasses.replace(settings, layout=gguf_layout(settings.layout, config))
-    return settings, load_inputs(settings, source, config)
+    return settings, load_inputs(settings, source, config, flag_paths())
+
+
+OUTPUT_PARAMS = ("out",)  # the path flags a command writes; every other path flag is an input
+
+
+def flag_paths(named: bool = False) -> tuple[str, ...] | dict[str, str]:
+    """Every local path this command's flags and arguments read: each parameter typed ``click.Path`` (the heads file,
+    --ablate, --adapter, texts, ...) but the output (``named``: keyed by parameter name). With the settings' own
+    paths they guard --out (never an input, not even with --force), so a new path flag is guarded by being declared a
+    path."""
+    ctx, found = click.get_current_context(silent=True), {}
+    while ctx is not None:
+        found.update({p.human_readable_name if isinstance(p, click.Argument) else p.name: str(ctx.params[p.name])
+                      for p in ctx.command.params if isinstance(p.type, click.Path)
+                      and p.name not in OUTPUT_PARAMS and ctx.params.get(p.name)})
+        ctx = ctx.parent
+    return found if named else tuple(found.values())
 
 
 def gguf_layout(layout: str, config) -> str:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from exporters.logits import worst_difference
+
 GGML_TYPE_F32 = 0
 INSTALL_HINT = "pip install 'prune-heads[gguf]' (builds llama.cpp from source: a C++ compiler and cmake)"
 
@@ -54,7 +56,7 @@ def logits(llm, prompts: list[list[int]]) -> np.ndarray:
 
 def compare(reference: np.ndarray, got: np.ndarray) -> dict:
     """max |logit diff| and argmax agreement (share of positions) between two ``[prompts, tokens, vocab]`` arrays."""
-    return {"max_abs_logit_diff": float(np.abs(reference - got).max()),
+    return {"max_abs_logit_diff": worst_difference(np.abs(reference - got)),
             "argmax_agreement": float((reference.argmax(-1) == got.argmax(-1)).mean())}
 
 

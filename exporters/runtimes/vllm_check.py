@@ -26,9 +26,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from exporters.logits import float32_parameters
+from exporters.logits import float32_parameters, worst_difference
 from exporters.runtimes.vllm_plugin import VLLM_CLASSES
 from prune_heads.console import say, warn
 from prune_heads.errors import UserError
@@ -119,12 +120,14 @@ def greedy_margin(model, continued: list[tuple[tuple[int, ...], list[int]]], upc
     with float32_parameters(model, upcast):
         for prompt, continuation in continued:
             lp, tokens = _scored(model, list(prompt) + list(continuation), len(prompt))
-            worst = max(worst, float((lp.max(dim=-1).values - lp.gather(1, tokens[:, None])[:, 0]).max()))
+            worst = max(worst, worst_difference(lp.max(dim=-1).values - lp.gather(1, tokens[:, None])[:, 0]))
     return worst
 
 
 def max_logprob_diff(a: dict, b: dict) -> float:
-    return max(abs(x - y) for pa, pb in zip(a["prompt_logprobs"], b["prompt_logprobs"]) for x, y in zip(pa, pb))
+    """The largest |difference| of two runs' prompt log-probabilities (infinite where one is not a finite number)."""
+    diffs = [abs(x - y) for pa, pb in zip(a["prompt_logprobs"], b["prompt_logprobs"]) for x, y in zip(pa, pb)]
+    return worst_difference(np.array(diffs or [0.0]))
 
 
 def greedy_equal(a: dict, b: dict) -> int:

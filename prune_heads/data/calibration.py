@@ -1,11 +1,10 @@
 """User calibration text: JSONL with a ``text`` field, or plain text with one input per line."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prune_heads.errors import UserError
-from prune_heads.io.readers import read_text
+from prune_heads.io.readers import parse_json, read_text
 
 
 def load_calibration(path: str | Path, limit: int | None = None, what: str = "calibration file") -> list[str]:
@@ -26,12 +25,7 @@ def load_calibration(path: str | Path, limit: int | None = None, what: str = "ca
     texts: list[str] = []
     if is_jsonl:
         for n, line in enumerate(lines, 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(
-                    f"{what} {path}, line {n}, is not valid JSON; fix it or use a plain text file"
-                ) from None
+            row = parse_json(line, path, what, line=n)
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise UserError(
                     f"{what} {path}, line {n}, has no string 'text' field; each line needs "

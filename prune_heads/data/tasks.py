@@ -19,14 +19,13 @@ The non-MMLU tasks read local files in their Hub schemas (``allenai/ai2_arc``, `
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prune_heads.errors import UserError
-from prune_heads.io.readers import read_text
+from prune_heads.io.readers import parse_json, read_text
 
 LETTERS = ("A", "B", "C", "D", "E", "F", "G", "H")
 
@@ -308,10 +307,7 @@ def read_rows(path: Path) -> list[dict]:
     rows = []
     for n, line in enumerate(read_text(path, "task file", "rows").splitlines(), 1):
         if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{n} is not valid JSON; expected one row per line") from None
+            rows.append(parse_json(line, path, "task file", line=n))
     return rows
 
 

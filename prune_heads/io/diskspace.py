@@ -35,6 +35,22 @@ def check_space(directory: Path, needed: int, what: str) -> None:
                         "free some space or choose another `out`")
 
 
+NEARLY_FULL = 4 << 20  # free bytes below which a failed write is taken to have met a full disk
+
+
+def failed_for_space(error: BaseException, directory: Path) -> bool:
+    """Whether ``error``, raised while writing under ``directory``, is a full disk: decided by the disk itself (its
+    free space now, or the error's errno), since libraries word a full disk each their own way (torch's zip writer:
+    "unexpected pos 704 vs 598" after "basic_ios::clear: iostream error")."""
+    if is_disk_full(error):
+        return True
+    try:
+        existing = next((p for p in (Path(directory), *Path(directory).parents) if p.exists()), None)
+        return existing is not None and free_bytes(existing) < NEARLY_FULL
+    except (OSError, ValueError):  # a path the file system cannot even look up: not a full disk
+        return False
+
+
 @contextmanager
 def disk_full_reported(directory: Path, what: str, needed: int | None = None):
     """A full disk inside the block (from any library) becomes ``DiskFull`` naming ``directory`` and ``needed``."""
@@ -43,6 +59,6 @@ def disk_full_reported(directory: Path, what: str, needed: int | None = None):
     except DiskFull:
         raise
     except Exception as e:
-        if is_disk_full(e):
+        if failed_for_space(e, directory):
             raise DiskFull(directory, what, needed) from e
         raise

@@ -12,6 +12,43 @@ from typing import Any, Iterator
 
 from prune_heads.errors import DiskFull, UserError, is_disk_full
 
+NAME_MAX = 255  # bytes in one path component on Linux file systems (ext4, xfs, btrfs, tmpfs)
+
+
+def hidden_name(name: str, suffix: str, room: int = 0) -> str:
+    """``.{name}{suffix}``, the name of a file or directory kept beside ``name`` while it is written; when that would
+    pass ``NAME_MAX`` bytes (with ``room`` more for a random part), ``name`` is cut and a digest of it keeps the
+    result unique and the same on every run (a rerun finds its staging directory)."""
+    import hashlib
+
+    whole = f".{name}{suffix}"
+    if len(os.fsencode(whole)) + room <= NAME_MAX:
+        return whole
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+    keep = NAME_MAX - room - len(os.fsencode(f".-{digest}{suffix}"))
+    cut = os.fsencode(name)[:keep].decode("utf-8", "ignore")
+    return f".{cut}-{digest}{suffix}"
+
+
+def check_path_names(paths: dict[str, object]) -> None:
+    """Each path (keyed by the option that gave it) one the file system and the model libraries can use: every name
+    in it at most ``NAME_MAX`` bytes, and UTF-8 (tokenizers and safetensors take UTF-8 paths only). Checked before
+    anything is read or written, so the refusal is one line naming the option, the path and the limit."""
+    for option, path in paths.items():
+        if path is None:
+            continue
+        label = option if option.isupper() else f"`{option}`"  # an argument (DIRECTORY), or an option's name
+        text = os.fspath(path)
+        if isinstance(text, bytes) or any("\udc80" <= c <= "\udcff" for c in text):
+            shown = repr(os.fsdecode(text))[1:-1]
+            raise UserError(f"{label} {shown} holds bytes that are not UTF-8, which the model libraries cannot "
+                            "open; rename it with UTF-8 characters only")
+        for part in Path(text).parts:
+            if len(os.fsencode(part)) > NAME_MAX:
+                raise UserError(f"{label} {text[:60]}... is too long for the file system: the name {part[:20]}... "
+                                f"has {len(os.fsencode(part))} bytes, more than the {NAME_MAX} a file or directory "
+                                "name may have; choose a shorter name")
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
@@ -19,7 +56,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     (on any failure it is removed and ``path`` is left as it was)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=hidden_name(path.name, ".", room=12), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield tmp
@@ -89,13 +126,13 @@ class StagedDirectory:
     current: "StagedDirectory | None" = None
     last: "StagedDirectory | None" = None  # the latest one opened, still known after a failure released it
 
-    def __init__(self, out: str | os.PathLike, force: bool, resume: bool = False, inputs: tuple | list = (),
+    def __init__(self, out: str | os.PathLike, force: bool, resume: bool | None = False, inputs: tuple | list = (),
                  identity: dict | None = None):
         # An --out that is a symbolic link is written through: the link stays, its target gets the results.
         self.out = Path(out).resolve() if Path(out).is_symlink() else Path(out)
         identity = json.loads(json.dumps(identity, default=str)) if identity else None  # as it reads back
-        check_out(self.out, force, resume, inputs, identity)
-        self.path = self.out.parent / f".{self.out.name}.partial"
+        check_out(self.out, force, resume, inputs, identity)  # resume None: a command that cannot resume
+        self.path = self.out.parent / hidden_name(self.out.name, ".partial")
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.path.mkdir(exist_ok=True)
@@ -174,7 +211,7 @@ class StagedDirectory:
         shutil.rmtree(self.offload_dir, ignore_errors=True)
         old = None
         if self.out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+            old = Path(tempfile.mkdtemp(prefix=hidden_name(self.out.name, ".old-", room=8), dir=self.out.parent))
             os.rmdir(old)
             os.replace(self.out, old)
         mask = _umask()
@@ -282,10 +319,10 @@ def _defining_settings(identity: dict) -> dict:
     return {**(identity.get("settings") or {}), **extras}
 
 
-def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list = (),
+def check_out(out: Path, force: bool, resume: bool | None = False, inputs: tuple | list = (),
               identity: dict | None = None) -> None:
     """The one rule for --out: never delete or replace what prune-heads did not write unless --force, never an input
-    even with --force; --resume continues only a run of ours."""
+    even with --force; --resume continues only a run of ours (``resume`` None: the command has no --resume)."""
     for path in inputs:
         how = _overlaps(out, Path(path))
         if how:
@@ -304,5 +341,5 @@ def check_out(out: Path, force: bool, resume: bool = False, inputs: tuple | list
     if resume:
         raise UserError(f"`out` {out} is not empty and was not written by prune-heads, so there is nothing to "
                         "resume; choose an empty directory, or pass `force` to replace it")
-    raise UserError(f"`out` {out} is not empty; choose an empty directory, pass `resume` to continue from its "
-                    "cached results, or `force` to replace it")
+    also = "" if resume is None else ", pass `resume` to continue from its cached results,"
+    raise UserError(f"`out` {out} is not empty; choose an empty directory{also} or pass `force` to replace it")

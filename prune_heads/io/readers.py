@@ -60,10 +60,28 @@ def _no_constants(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object whose keys are all different: ``{"0": [1], "0": [2]}`` means one of two things, and json keeps
+    the last without a word."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def parse_json(text: str, path: str | Path, what: str, line: int | None = None) -> Any:
-    """Strict JSON (no NaN or Infinity); a UserError naming the line."""
+    """Strict JSON (no NaN or Infinity, no key twice in an object); a UserError naming the line."""
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        return json.loads(text, parse_constant=_no_constants, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        where = f", line {line}," if line is not None else ""
+        raise UserError(f"{what} {path}{where} is ambiguous: {e}; keep one") from None
     except (json.JSONDecodeError, ValueError) as e:
         where = f", line {line}," if line is not None else (f", line {e.lineno}," if hasattr(e, "lineno") else "")
         raise UserError(f"{what} {path}{where} is not valid JSON ({str(e).split(':')[0]}); fix the file") from None

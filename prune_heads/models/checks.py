@@ -35,9 +35,32 @@ def check_config(config, spec: str) -> None:
     if fields["num_attention_heads"] % fields["num_key_value_heads"]:
         raise UserError(f"the config of {spec!r} has num_key_value_heads = {fields['num_key_value_heads']}, which "
                         f"does not divide num_attention_heads = {fields['num_attention_heads']}; fix config.json")
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is not None and not _positive(head_dim):
-        raise UserError(f"the config of {spec!r} has head_dim = {head_dim!r}; it must be a positive integer")
+    for name in ("head_dim", "max_position_embeddings"):  # optional, but never zero, negative or a fraction
+        value = getattr(config, name, None)
+        if value is not None and not _positive(value):
+            raise UserError(f"the config of {spec!r} has {name} = {value!r}; it must be a positive integer; fix "
+                            "config.json or pass another model")
+
+
+FINITE_CHUNK = 1 << 24  # elements checked at a time: the check's own memory stays a few MiB on any model
+
+
+def check_finite(tensors, spec: str, what: str = "weights") -> None:
+    """Every value of ``tensors`` ((name, tensor) pairs) is a finite number; else one line naming the first tensor
+    that is not. A NaN or infinity in the weights makes every logit NaN, and a NaN compares as no difference at all,
+    so it is refused before any pass. Tensors on the meta device (offloaded to disk by accelerate) are skipped."""
+    import torch
+
+    for name, tensor in tensors:
+        if tensor.device.type == "meta" or not tensor.is_floating_point():
+            continue
+        flat = tensor.detach().reshape(-1)
+        for lo in range(0, flat.numel(), FINITE_CHUNK):
+            part = flat[lo:lo + FINITE_CHUNK]
+            if not bool(torch.isfinite(part).all()):
+                bad = part[~torch.isfinite(part)][0].item()
+                raise UserError(f"the {what} of {spec!r} hold {bad} in {name}; a model with NaN or infinite weights "
+                                "computes nothing that can be verified: fix or re-download the checkpoint")
 
 
 def safetensors_header(path: Path, spec: str) -> dict:
@@ -68,6 +91,63 @@ def safetensors_header(path: Path, spec: str) -> dict:
     return header
 
 
+GGUF_MAGIC, GGUF_VERSIONS = b"GGUF", (2, 3)
+GGUF_MIN_TENSOR_INFO, GGUF_MIN_KV = 32, 13  # bytes: name length, dims, type, offset; key length, type, a value
+
+
+def check_gguf_header(path: Path, spec: str) -> None:
+    """A GGUF's fixed header read before any library parses it: the magic, a version llama.cpp writes, and counts of
+    tensors and metadata entries that the file's size can hold (a crafted count would have a parser loop or
+    allocate for ever)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(24)
+    bad = f"GGUF file {spec} is corrupt"
+    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+        raise UserError(f"{bad}: it does not start with a GGUF header; re-download or re-convert it")
+    version, tensors, kv = struct.unpack("<IQQ", head[4:])
+    if version not in GGUF_VERSIONS:
+        raise UserError(f"{bad}: its header says GGUF version {version}, not one of {GGUF_VERSIONS}; re-convert it "
+                        "with a current llama.cpp")
+    if 24 + tensors * GGUF_MIN_TENSOR_INFO + kv * GGUF_MIN_KV > size:
+        raise UserError(f"{bad}: its header claims {tensors:,} tensors and {kv:,} metadata entries, more than a file "
+                        f"of {size:,} bytes can describe; re-download or re-convert it")
+
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def checkpoint_files(directory: Path, spec: str) -> list[Path] | None:
+    """The safetensors files that form the checkpoint in ``directory``, chosen as transformers chooses them (the
+    single file first, else the index's shards), every one of them present; None when it has neither. Loading,
+    checking and the streamed export all read these, so they never read different weights."""
+    if (directory / SINGLE).is_file():
+        return [directory / SINGLE]
+    if not (directory / INDEX).is_file():
+        return None
+    return sorted(set(checkpoint_weight_map(directory, spec).values()))
+
+
+def checkpoint_weight_map(directory: Path, spec: str) -> dict[str, Path]:
+    """Tensor name -> the file holding it, for the checkpoint :func:`checkpoint_files` chooses (its index's map, or
+    the single file's header); a UserError naming a shard the index lists that is missing or not a plain name."""
+    from prune_heads.io.readers import read_json
+
+    if (directory / SINGLE).is_file():
+        return {name: directory / SINGLE for name in safetensors_header(directory / SINGLE, spec)
+                if name != "__metadata__"}
+    index = read_json(directory / INDEX, "safetensors index")
+    mapping = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise UserError(f"the checkpoint of {spec!r} has an {INDEX} without a weight_map of file names; re-download "
+                        "the checkpoint")
+    for shard in sorted(set(mapping.values())):
+        if Path(shard).name != shard or not (directory / shard).is_file():
+            raise UserError(f"the checkpoint of {spec!r} is incomplete: its {INDEX} names the shard {shard!r}, which "
+                            f"is not in {directory}; download the missing shards")
+    return {name: directory / shard for name, shard in mapping.items()}
+
+
 def _raw_int(raw: dict, name: str, spec: str, default=None):
     value = raw.get(name, default)
     if value is not None and not _positive(value):
@@ -96,7 +176,7 @@ def check_checkpoint(source, raw: dict) -> None:
         raise UserError(f"the config of {spec!r} has num_key_value_heads = {kv}, which does not divide "
                         f"num_attention_heads = {heads}; fix config.json")
     headers = {}
-    for f in sorted(Path(source.path).glob("*.safetensors")):
+    for f in checkpoint_files(Path(source.path), spec) or []:
         headers.update(safetensors_header(f, spec))
     if not headers:
         return

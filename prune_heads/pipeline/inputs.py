@@ -58,8 +58,10 @@ def with_questions_per_subject(settings: Settings, inputs: Inputs) -> Inputs:
     return dataclasses.replace(inputs, questions=questions, confirmation=confirmation, confirmation_source=why)
 
 
-def load_inputs(settings: Settings, source: ModelSource | None = None, config=None) -> Inputs:
-    """Everything ``settings`` points to, read now: a bad path or file fails in seconds, before the weights load."""
+def load_inputs(settings: Settings, source: ModelSource | None = None, config=None,
+                read: tuple[str, ...] = ()) -> Inputs:
+    """Everything ``settings`` points to, read now: a bad path or file fails in seconds, before the weights load.
+    ``read``: the other local paths the command reads (a heads file, ...), guarded like the settings' own."""
     source = source or resolve_source(settings.model)
     config = config or load_config(source, settings.trust_remote_code, settings.revision)
     questions, full = load_questions(settings)
@@ -76,8 +78,8 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
     guard_texts = (load_calibration(settings.guard_texts, what="guard text file")
                    if settings.guard_texts and settings.guard else None)
     questions, confirmation, why = confirmation_questions(settings, questions, full)
-    return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text, input_paths(settings, source),
-                  confirmation, why, guard_texts)
+    return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text,
+                  input_paths(settings, source) + tuple(read), confirmation, why, guard_texts)
 
 
 def confirmation_questions(settings: Settings, questions: TaskData,
@@ -101,12 +103,12 @@ def confirmation_questions(settings: Settings, questions: TaskData,
 
 
 def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
-    """The local files and directories a run reads: the model (its directory, or its .gguf file), the data files,
-    the adapter."""
+    """The local files and directories a run's settings read: the model (its directory, or its .gguf file), the
+    recipe, the data files, the adapter."""
     model = [] if source.kind == "hub" else [str(Path(source.path) / source.gguf_file) if source.gguf_file
                                              else source.path]
-    files = [settings.calibration, settings.kl_text, settings.heal_data, settings.task_data, settings.lora_adapter,
-             settings.guard_texts]
+    files = [settings.recipe.path, settings.calibration, settings.kl_text, settings.heal_data, settings.task_data,
+             settings.lora_adapter, settings.guard_texts]
     if settings.mmlu and Path(settings.mmlu).exists():
         files.append(settings.mmlu)
     return tuple(model + [f for f in files if f])

@@ -247,12 +247,15 @@ def confirmed(run: Run, verifier: Verifier, selection: Selection, guard: Guard |
 def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
     """A copy of the model with a peft adapter merged in (the base stays untouched for pruning)."""
     from peft import PeftModel
+    from safetensors.torch import load_file
 
     from prune_heads.errors import UserError
+    from prune_heads.models.checks import check_finite
 
     weights = Path(adapter_dir) / "adapter_model.safetensors"
     if not weights.is_file():
         raise UserError(f"`adapter` {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
+    check_finite(load_file(str(weights)).items(), str(adapter_dir), "adapter tensors")
     merged = PeftModel.from_pretrained(copy.deepcopy(lm.model), adapter_dir).merge_and_unload().eval()
     source = copy.copy(lm.source)
     source.fingerprint = f"{lm.source.fingerprint}+adapter:{sha256_file(weights)}"  # keys the cache apart
