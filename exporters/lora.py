@@ -162,11 +162,11 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     with atomic_path(out / "adapter_model.safetensors") as tmp:
         save_file(sliced, tmp, metadata={"format": "pt"})
     write_json(out / "adapter_config.json", config)
-    say(f"sliced {len(state)} adapter tensors to {len(sliced)} for {pruned_dir}")
     if check:
         modules = check_loads(pruned_dir, out, state, plan, arch)
         say(f"loaded on {pruned_dir} with peft: each of {modules} LoRA modules changes the weights as the original "
             "adapter changes the kept heads")
+    say(f"sliced {len(state)} adapter tensors to {len(sliced)} for {pruned_dir}")
     return out
 
 

@@ -104,6 +104,19 @@ class _NoAliasLoader(yaml.SafeLoader):
             raise yaml.YAMLError(f"anchors (&{node.anchor}) are not allowed")
         return node
 
+    def construct_mapping(self, node, deep=False):
+        """A mapping whose keys are all different (YAML, like JSON, would keep the last of two without a word)."""
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue
+            if key in seen:
+                line = key_node.start_mark.line + 1
+                raise yaml.YAMLError(f"the key {key!r} appears twice in one mapping, line {line}")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
 
 def read_yaml(path: str | Path, what: str, kind: str = "recipe") -> Any:
     text = read_text(path, what, kind)
