@@ -155,7 +155,7 @@ def eval_cmd(ablate, probes, guard_texts, probe_max_length, **kw):
     heads = load_heads(ablate, "ablated") if ablate else None
     if guard_texts and not probes:
         raise UserError("--guard-texts feeds the probe text; add --probes text (or passkey,copy,text)")
-    settings, inputs = prepare(kw, guard=tuple(csv_list(probes, "probes")) if probes else (),
+    settings, inputs = prepare(kw, any_lm_eval_task=True, guard=tuple(csv_list(probes, "probes")) if probes else (),
                                guard_texts=guard_texts, probe_max_length=probe_max_length)
     if heads:
         check_heads(heads, inputs.config)

@@ -6,13 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from prune_heads.console import say, warn
-from prune_heads.data.tasks import task_format
+from prune_heads.data.lm_eval_tasks import is_lm_eval, load_tasks, primary_metric
+from prune_heads.data.tasks import results_file, task_format
+from prune_heads.eval.lm_eval_results import document_rows, document_value, generation_summary, paired
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
 from prune_heads.eval.work import Work
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable
-from prune_heads.io.files import StagedDirectory, write_json, write_text
+from prune_heads.io.files import StagedDirectory, write_json, write_jsonl, write_text
 from prune_heads.models.tokens import encode
-from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_text_sequences, round_robin
+from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_text_sequences, lm_eval_spec, round_robin
 from prune_heads.pipeline.settings import Settings
 from prune_heads.pipeline.stages import Run, load, open_run, score, warn_chance
 from prune_heads.report import plots
@@ -40,8 +42,10 @@ def run_score(settings: Settings, inputs: Inputs, out: Path, force: bool) -> dic
     return payload
 
 
-def run_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: HeadSet | None) -> EvalResult:
+def run_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: HeadSet | None) -> EvalResult | dict:
     """``prune-heads eval``: the task, optionally with heads ablated; TASK.jsonl and summary.json."""
+    if is_lm_eval(settings.task):
+        return run_lm_eval(settings, inputs, out, force, heads)
     identity = run_identity("eval", settings, inputs, heads=heads.to_json() if heads else None)
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged)
@@ -58,8 +62,68 @@ def run_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: 
         summary["cache"] = run.work.cache.stats
         write_eval_outputs(staged.path, result, summary, settings.task)
     say(f"{settings.task} accuracy {100 * result.accuracy:.2f}% on {len(result.questions)} questions: "
-         f"{out / (settings.task + '.jsonl')}", fg="green")
+         f"{out / results_file(settings.task)}", fg="green")
     return result
+
+
+def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: HeadSet | None) -> dict:
+    """``prune-heads eval --task lm-eval:NAME``: lm-eval evaluates the task on the model (lm-eval's own model
+    interface, ``eval.lm_eval_bridge``), unablated and with ``heads`` ablated, document by document; one JSONL record
+    per document and a summary with the paired difference on each task's primary metric, and for a generative task
+    the agreement with the unablated model's own generations."""
+    from prune_heads.eval.lm_eval_bridge import evaluate_tasks
+
+    identity = run_identity("eval", settings, inputs, heads=heads.to_json() if heads else None)
+    with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
+        run = open_run(settings, inputs, staged, encode=False)
+        spec = lm_eval_spec(settings)
+        base = evaluate_tasks(run.lm, load_tasks(spec), None, settings.batch_size, settings.task_limit)
+        ablated = (evaluate_tasks(run.lm, load_tasks(spec), heads, settings.batch_size, settings.task_limit)
+                   if heads else None)
+        summary = {"model": run.lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
+                   "task": settings.task, "ablated_heads": heads.to_json() if heads else {},
+                   "lm_eval": {"unablated": _plain(base["results"]), **({"ablated": _plain(ablated["results"])}
+                                                                         if ablated else {})}, "tasks": {}}
+        rows = []
+        for name, task in load_tasks(spec).items():
+            rows += _lm_eval_task(name, task, settings, base, ablated, summary["tasks"])
+        write_jsonl(staged.path / results_file(settings.task), rows)
+        write_json(staged.path / "summary.json", summary)
+    for name, t in summary["tasks"].items():
+        d = t.get("paired")
+        what = t["metric"] + (" as log-likelihood per unit" if d and d["unit"] == "nats per unit" else "")
+        say(f"{name} {what} {t['unablated']:.4g}" + (f" -> {d['ablated']:.4g}, delta {d['delta']:+.4g} "
+            f"{d['unit']} [{d['ci95'][0]:+.4g}, {d['ci95'][1]:+.4g}]" if d else "")
+            + (f"; same generation {100 * t['generation']['same_generation']:.1f}%, tokens predicted "
+               f"{100 * t['generation']['token_agreement']:.1f}%, KL {t['generation']['kl_per_token_nats']:.4f} "
+               "nat/token" if "generation" in t else ""))
+    say(f"lm-eval {', '.join(summary['tasks'])}: {out / results_file(settings.task)}", fg="green")
+    return summary
+
+
+def _lm_eval_task(name: str, task, settings: Settings, base: dict, ablated: dict | None, into: dict) -> list[dict]:
+    """One task's per-document rows; its summary goes ``into`` the summary's tasks."""
+    from prune_heads.eval.lm_eval_bridge import generation_agreement
+
+    metric = primary_metric(task, settings.lm_eval_metric)
+    metrics = [m["metric"] for m in task.config.metric_list or []] or [metric]
+    mine = sorted(base["samples"][name], key=lambda s: s["doc_id"])
+    theirs = sorted(ablated["samples"][name], key=lambda s: s["doc_id"]) if ablated else None
+    entry = {"output_type": task.OUTPUT_TYPE, "metric": metric, "documents": len(mine),
+             "unablated": sum(document_value(s, metric) for s in mine) / max(len(mine), 1)}
+    agreement = None
+    if theirs is not None:
+        entry["paired"] = paired(mine, theirs, metric)
+        if task.OUTPUT_TYPE == "generate_until":
+            agreement = generation_agreement(ablated["model"], base["model"], theirs, mine)
+            entry["generation"] = generation_summary(agreement)
+    into[name] = entry
+    return document_rows(name, metrics, mine, theirs, agreement)
+
+
+def _plain(results: dict) -> dict:
+    """lm-eval's aggregate results as JSON values (numpy numbers as floats, "N/A" kept)."""
+    return {t: {k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for t, r in results.items()}
 
 
 def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict) -> str | None:

@@ -11,10 +11,25 @@ from pathlib import Path
 import click
 
 from exporters.gguf.writer import GGUF_TYPES
+from prune_heads.data.lm_eval_tasks import NOT_CHOICES
 from prune_heads.data.tasks import TASKS
 from prune_heads.errors import UserError
 from prune_heads.heads import HeadSet
 from prune_heads.io.files import check_path_names
+
+
+class TaskType(click.ParamType):
+    """A built-in task, or ``lm-eval:NAME[,NAME...]``."""
+
+    name = "task"
+
+    def convert(self, value, param, ctx):
+        if value in TASKS or str(value).startswith("lm-eval:"):
+            return value
+        self.fail(f"{value!r} is not one of {', '.join(TASKS)} or lm-eval:NAME", param, ctx)
+
+    def get_metavar(self, param, ctx=None):
+        return "[" + "|".join(TASKS) + "|lm-eval:NAME]"
 
 
 def _int_or_all(value: str | None, flag: str = "--mmlu-per-subject", auto: bool = False) -> int | None | str:
@@ -69,9 +84,16 @@ def common_options(f):
         click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'; on the main "
                      "command also 'auto': as many as make the predicted interval fit the budget."),
         click.option("--mmlu-subjects", help="'all', the first N subjects, or a comma list of subject names."),
-        click.option("--task", type=click.Choice(list(TASKS)), help="Verification questions (default mmlu, the "
-                     "paper's): mmlu-cloze scores answer texts 0-shot; arc_easy, arc_challenge, hellaswag, piqa, "
-                     "winogrande read --task-data."),
+        click.option("--task", type=TaskType(), help="Verification questions (default mmlu, the paper's): "
+                     "mmlu-cloze scores answer texts 0-shot; arc_easy, arc_challenge, hellaswag, piqa, winogrande read "
+                     "--task-data; lm-eval:NAME[,NAME...] is any lm-evaluation-harness task or group (pip install "
+                     "'prune-heads[lm-eval]'; eval also runs generative and perplexity tasks)."),
+        click.option("--lm-eval-include", type=click.Path(file_okay=False), help="A directory of your own lm-eval "
+                     "task YAMLs (lm-eval's include path), for --task lm-eval:NAME."),
+        click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot exemplars of every lm-eval task "
+                     "(default: each task's YAML)."),
+        click.option("--lm-eval-metric", help="The lm-eval metric a budget or paired result reads (default: the "
+                     "task's first metric, e.g. acc, acc_norm, exact_match)."),
         click.option("--task-data", type=click.Path(dir_okay=False), help="The --task's questions: a .jsonl/.parquet "
                      "file in its Hub schema (allenai/ai2_arc, Rowan/hellaswag, ybisk/piqa, allenai/winogrande)."),
         click.option("--task-limit", help="Questions of a non-MMLU task (its first N), or 'all'."),
@@ -158,8 +180,10 @@ def check_heads(heads: HeadSet, config) -> None:
     heads.validate(config.num_hidden_layers, [config.num_attention_heads] * config.num_hidden_layers)
 
 
-def prepare(kw: dict, main_command: bool = False, **extra):
-    """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load."""
+def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False, **extra):
+    """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load.
+    ``any_lm_eval_task``: the command evaluates generative and perplexity lm-eval tasks too (``eval``); the others
+    judge multiple-choice questions."""
     from prune_heads.models.loading import load_config, resolve_source
     from prune_heads.pipeline.inputs import load_inputs
     from prune_heads.pipeline.settings import resolve_settings
@@ -190,7 +214,7 @@ def prepare(kw: dict, main_command: bool = False, **extra):
             overrides[key] = None if value == "all" else value
     names = ("device", "device_map", "max_memory", "dtype", "trust_remote_code", "allow_pickle", "revision", "mmlu",
              "calibration", "calibration_size", "max_length", "batch_size", "resume", "task", "task_data", "kl_text",
-             "seed")
+             "seed", "lm_eval_include", "num_fewshot", "lm_eval_metric")
     flags = {name: kw.get(name) for name in names}
     flags["progress"] = not kw.get("no_progress")
     source = resolve_source(kw["model"])
@@ -199,7 +223,12 @@ def prepare(kw: dict, main_command: bool = False, **extra):
                                 **flags, **extra)
     if settings.export_format != "safetensors":  # the family's llama.cpp architecture, before anything loads
         settings = dataclasses.replace(settings, layout=gguf_layout(settings.layout, config))
-    return settings, load_inputs(settings, source, config, flag_paths())
+    inputs = load_inputs(settings, source, config, flag_paths())
+    if NOT_CHOICES in inputs.questions.notes and not any_lm_eval_task:
+        raise UserError(f"`task` {settings.task} is not multiple choice (generative or perplexity): prune-heads eval "
+                        "measures it, unablated and ablated, also against the unablated model's own generations; a "
+                        "budget, a study and the export's check read multiple-choice tasks (lm-eval:NAME of one)")
+    return settings, inputs
 
 
 OUTPUT_PARAMS = ("out",)  # the path flags a command writes; every other path flag is an input

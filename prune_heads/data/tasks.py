@@ -127,6 +127,7 @@ class TaskFormat:
     name: str
     metric = "acc_norm"  # the lm-eval metric the task is reported with
     num_fewshot = 0
+    shared_prefix = False  # no prefix text: the subject's contexts share the tokens they all start with
 
     def description(self, subject: str) -> str:
         return ""
@@ -222,6 +223,27 @@ class WinoGrande(TaskFormat):
         return q.question.replace("_", q.choices[q.gold], 1)
 
 
+class LmEvalFormat(TaskFormat):
+    """A multiple-choice task of lm-evaluation-harness (data/lm_eval_tasks.py): each question holds the context lm-eval
+    rendered (few-shot exemplars included) and the continuations lm-eval wrote (target delimiter included); the
+    shared prefix of a task's contexts is found from the tokens (``shared_prefix``)."""
+
+    name = "lm-eval"
+    metric = "acc"
+    shared_prefix = True
+
+    def text(self, q):
+        return q.question
+
+    def requests(self, subject, q):
+        return [(q.question, c) for c in q.choices]
+
+    def gold_text(self, q):
+        return q.question + q.choices[q.gold]
+
+
+LM_EVAL = LmEvalFormat()
+
 TASKS: dict[str, TaskFormat] = {
     t.name: t
     for t in (
@@ -237,7 +259,14 @@ TASKS: dict[str, TaskFormat] = {
 MMLU_TASKS = ("mmlu", "mmlu-cloze")  # read from the MMLU source (--mmlu); the others from --task-data
 
 
+def results_file(task: str) -> str:
+    """The per-question results file of ``task``: ``mmlu.jsonl``; ``lm-eval_NAME+NAME.jsonl`` for lm-eval tasks."""
+    return task.replace(":", "_").replace(",", "+").replace("/", "_") + ".jsonl"
+
+
 def task_format(name: str) -> TaskFormat:
+    if name.startswith(LM_EVAL.name + ":"):
+        return LM_EVAL
     if name not in TASKS:
         raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
     return TASKS[name]

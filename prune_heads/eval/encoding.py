@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from prune_heads.data.tasks import TASKS, Question, TaskData
+from prune_heads.data.tasks import Question, TaskData, task_format
 from prune_heads.models.loading import LoadedModel
 from prune_heads.models.tokens import encode, encode_pair
 
@@ -84,12 +84,12 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def encode_task(lm: LoadedModel, data: TaskData) -> EncodedTask:
-    fmt = TASKS[data.task]
+    fmt = task_format(data.task)
     subjects = []
     for subject in data.subjects:
         prefix_text = fmt.prefix(subject)
         prefix = encode(lm, prefix_text) if prefix_text else []
-        items, shared = [], len(prefix)
+        items = []
         for q in subject.questions:
             pairs = [encode_pair(lm, c, cont) for c, cont in fmt.requests(subject, q)]
             contexts = [p[0] for p in pairs]
@@ -97,9 +97,12 @@ def encode_task(lm: LoadedModel, data: TaskData) -> EncodedTask:
             item = EncodedQuestion(q, contexts[0], [p[1] for p in pairs], same and all(len(p[1]) == 1 for p in pairs),
                                    None if same else contexts)
             items.append(item)
-            # The prefix's last tokens can merge differently once the question follows ("\n\n" vs "\n","\n"), so
-            # share only the tokens every context really starts with.
-            shared = min(shared, _common_prefix_len(prefix, item.context), len(item.context) - 1)
+        if fmt.shared_prefix and items:  # lm-eval's own prompts: whatever every context starts with (exemplars)
+            prefix = items[0].context
+        # The prefix's last tokens can merge differently once the question follows ("\n\n" vs "\n","\n"), so
+        # share only the tokens every context really starts with.
+        shared = min([len(prefix)] + [min(_common_prefix_len(prefix, it.context), len(it.context) - 1)
+                                      for it in items])
         for it in items:
             it.fast = it.fast and shared > 0
         subjects.append(EncodedSubject(subject.name, prefix[: max(shared, 0)], items))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prune_heads.data.calibration import load_calibration
+from prune_heads.data.lm_eval_tasks import NOT_CHOICES, LmEvalSpec, is_lm_eval, load_tasks, multiple_choice_data
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from prune_heads.errors import UserError
@@ -36,8 +37,19 @@ class Inputs:
     guard_texts: list[str] | None = None  # --guard-texts documents (the long-context guard's probe text)
 
 
+def lm_eval_spec(settings: Settings) -> LmEvalSpec:
+    return LmEvalSpec(settings.task, settings.lm_eval_include, settings.num_fewshot, settings.task_limit)
+
+
 def load_questions(settings: Settings) -> tuple[TaskData, TaskData]:
     """(the verification questions of ``settings.task``, the whole task)."""
+    if is_lm_eval(settings.task):
+        tasks = load_tasks(lm_eval_spec(settings))
+        if any(t.OUTPUT_TYPE != "multiple_choice" for t in tasks.values()):  # read by lm-eval itself (eval)
+            other = TaskData(f"lm-eval {', '.join(tasks)}", [], task=settings.task, notes=[NOT_CHOICES])
+            return other, other
+        full = multiple_choice_data(tasks, None, settings.lm_eval_metric)
+        return full.subset(settings.task_limit), full
     if settings.task in MMLU_TASKS:
         full = load_mmlu(settings.mmlu, task=settings.task)
         return mmlu_selection(full, settings, settings.mmlu_per_subject), full
@@ -65,7 +77,7 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
     source = source or resolve_source(settings.model)
     config = config or load_config(source, settings.trust_remote_code, settings.revision)
     questions, full = load_questions(settings)
-    if not sum(len(s.questions) for s in questions.subjects):
+    if not sum(len(s.questions) for s in questions.subjects) and NOT_CHOICES not in questions.notes:
         raise UserError(f"the {settings.task} selection leaves no questions to evaluate (every row is an exemplar or "
                         "was skipped); select more subjects or questions, or pass a larger file")
     calibration = rest = None
@@ -108,7 +120,7 @@ def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
     model = [] if source.kind == "hub" else [str(Path(source.path) / source.gguf_file) if source.gguf_file
                                              else source.path]
     files = [settings.recipe.path, settings.calibration, settings.kl_text, settings.heal_data, settings.task_data,
-             settings.lora_adapter, settings.guard_texts]
+             settings.lora_adapter, settings.guard_texts, settings.lm_eval_include]
     if settings.mmlu and Path(settings.mmlu).exists():
         files.append(settings.mmlu)
     return tuple(model + [f for f in files if f])

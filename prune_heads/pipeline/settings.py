@@ -40,6 +40,9 @@ class Settings:
     task: str = "mmlu"  # mmlu | mmlu-cloze | arc_easy | arc_challenge | hellaswag | piqa | winogrande
     task_data: str | None = None  # local file of a non-MMLU task, in its Hub schema
     task_limit: int | None = None  # questions of a non-MMLU task (its first N); MMLU uses mmlu_per_subject
+    lm_eval_include: str | None = None  # --lm-eval-include DIR: the user's lm-eval task YAMLs
+    num_fewshot: int | None = None  # --num-fewshot: overrides the lm-eval tasks' own few-shot counts
+    lm_eval_metric: str | None = None  # --lm-eval-metric: the metric of an lm-eval task a budget reads
     kl_text: str | None = None  # held-out text for the next-token KL (default: held-out questions of the task)
     kl_text_size: int = 16
     calibration: str | None = None

@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 from prune_heads import __version__
+from prune_heads.data.lm_eval_tasks import is_lm_eval
+from prune_heads.data.tasks import results_file
 from prune_heads.eval.results import EvalResult, accuracy_summary
 from prune_heads.io.files import write_json, write_jsonl
 
@@ -24,8 +26,18 @@ def versions() -> dict:
 
 
 def write_eval_outputs(out: Path, result: EvalResult, extra: dict, task: str = "mmlu") -> None:
-    write_jsonl(out / f"{task}.jsonl", result.rows())
+    write_jsonl(out / results_file(task), result.rows() if not is_lm_eval(task) else lm_eval_rows(result))
     write_json(out / "summary.json", {**extra, "accuracy": accuracy_summary(result), task: accuracy_summary(result)})
+
+
+def lm_eval_rows(result: EvalResult) -> list[dict]:
+    """Per document of an lm-eval multiple-choice task, under lm-eval's names: the task, ``doc_id``, the target and
+    predicted choice indices, ``acc`` (or ``acc_norm``: the prediction divides by each choice's characters) and the
+    log-likelihood of every choice."""
+    metric = "acc_norm" if result.questions and result.questions[0].norm_lengths is not None else "acc"
+    return [{"task": q.subject, "doc_id": q.index, "target": q.gold, "pred": int(p), metric: float(c),
+             "loglik": [round(float(x), 6) for x in ll[: len(q.choices)]]}
+            for q, p, c, ll in zip(result.questions, result.pred, result.correct, result.loglik)]
 
 
 METRIC_NAMES = {"kl": "answer KL", "kl-text": "next-token KL on held-out text"}

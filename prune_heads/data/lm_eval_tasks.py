@@ -1,0 +1,186 @@
+"""Tasks of lm-evaluation-harness (``--task lm-eval:NAME[,NAME...]``): lm-eval defines the documents, prompts,
+few-shot exemplars, stop sequences and metrics; prune-heads reads them here, before any weights load.
+
+A multiple-choice task becomes the ``TaskData`` every built-in task is (one ``Subject`` per lm-eval task, one
+``Question`` per document: its context as lm-eval renders it, its continuations as lm-eval writes them, the gold index,
+and the character lengths ``acc_norm`` divides by), so the budget search, its confirmation, the study, the cache and
+the fast shared-prefix passes serve it unchanged. Generative and perplexity tasks are evaluated through lm-eval's own
+model interface (``eval.lm_eval_bridge``).
+
+lm-eval is an optional dependency (the ``lm-eval`` extra): nothing here imports it until a task of it is asked for.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from prune_heads.data.tasks import Question, Subject, TaskData
+from prune_heads.errors import UserError
+
+PREFIX = "lm-eval:"
+INSTALL = "pip install 'prune-heads[lm-eval]'"
+EXAMPLES = Path(__file__).with_name("lm_eval_tasks")  # small example tasks with local data, shipped with prune-heads
+FEWSHOT_SEED = 1234  # lm-eval's simple_evaluate default: the same exemplars as a stock run
+OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood_rolling", "loglikelihood")
+NOT_CHOICES = "not multiple choice: evaluated by lm-eval's own model interface"  # a TaskData note
+
+
+def is_lm_eval(task: str | None) -> bool:
+    return bool(task) and task.startswith(PREFIX)
+
+
+def task_names(task: str) -> list[str]:
+    names = [n.strip() for n in task[len(PREFIX):].split(",") if n.strip()]
+    if not names:
+        raise UserError(f"`task` {task!r} names no lm-eval task; write lm-eval:NAME or lm-eval:NAME,NAME")
+    return names
+
+
+@dataclass(frozen=True)
+class LmEvalSpec:
+    """Which lm-eval tasks a run reads and how: names, the user's task directory, a few-shot override, a limit."""
+
+    task: str  # lm-eval:NAME[,NAME...]
+    include: str | None = None  # --lm-eval-include DIR: the user's task YAMLs
+    num_fewshot: int | None = None  # --num-fewshot: overrides every task's YAML
+    limit: int | None = None  # --task-limit: the first N documents of each task
+
+
+def require_lm_eval() -> None:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"lm-eval tasks need lm-evaluation-harness, which is not installed; install it with: {INSTALL}")
+
+
+def check_include(include: str | None) -> None:
+    if include is None:
+        return
+    path = Path(include)
+    if not path.is_dir():
+        raise UserError(f"`lm_eval_include` {include} is not a directory; pass a directory of lm-eval task YAMLs")
+    if not any(path.rglob("*.yaml")):
+        raise UserError(f"`lm_eval_include` {include} holds no .yaml task files; pass a directory of lm-eval task "
+                        "YAMLs (see lm-eval's docs/new_task_guide.md)")
+
+
+def task_manager(include: str | None):
+    """lm-eval's TaskManager over its own tasks, the shipped examples and the user's directory."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(EXAMPLES)] + ([str(Path(include).resolve())] if include else [])
+    return TaskManager(include_path=paths, verbosity="ERROR")
+
+
+def _config_of_example(name: str) -> dict | None:
+    """A shipped example task's YAML as a config, its data files resolved next to it (lm-eval resolves relative
+    data files against the working directory)."""
+    import yaml
+
+    path = EXAMPLES / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    files = config.get("dataset_kwargs", {}).get("data_files", {})
+    config["dataset_kwargs"]["data_files"] = {split: str(EXAMPLES / f) for split, f in files.items()}
+    return config
+
+
+def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
+    """{task name: lm-eval Task} of ``spec``, groups expanded to their tasks, documents loaded; one line for an unknown
+    name (with the closest ones) or data that cannot be read offline."""
+    require_lm_eval()
+    check_include(spec.include)
+    manager = task_manager(spec.include)
+    known = set(manager.all_tasks)
+    wanted = []
+    for name in task_names(spec.task):
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+            hint = (f"; did you mean {', '.join(close)}?" if close
+                    else "; `lm_eval_include` DIR adds your own task YAMLs")
+            raise UserError(f"{name!r} is not an lm-eval task or group{hint}")
+        wanted.append(_config_of_example(name) or name)
+    tasks = _flattened(_task_dict(wanted, manager, spec.task))
+    for name, task in tasks.items():
+        task.set_fewshot_seed(seed=FEWSHOT_SEED)
+        if spec.num_fewshot is not None:
+            task.set_config(key="num_fewshot", value=spec.num_fewshot)
+        if task.OUTPUT_TYPE not in OUTPUT_TYPES:
+            raise UserError(f"lm-eval task {name} has output type {task.OUTPUT_TYPE}, which prune-heads cannot "
+                            "evaluate")
+    return tasks
+
+
+def _task_dict(wanted: list, manager, task: str) -> dict:
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        return get_task_dict(wanted, manager)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (datasets raises many kinds of errors for data it cannot reach)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"the data of `task` {task} cannot be loaded ({type(e).__name__}: {first}); offline, point "
+                        "the task's YAML at local files (dataset_path: json, dataset_kwargs: data_files: {test: "
+                        "FILE.jsonl}) and pass its directory with `lm_eval_include`") from None
+
+
+def _flattened(task_dict: dict) -> dict[str, object]:
+    """lm-eval's nested {group: {task: Task}} as {task name: Task}, in its order."""
+    out = {}
+    for key, value in task_dict.items():
+        if isinstance(value, dict):
+            out.update(_flattened(value))
+        else:
+            out[getattr(key, "task_name", None) or str(key)] = value
+    return out
+
+
+def primary_metric(task, override: str | None = None) -> str:
+    """The metric a budget reads: ``override`` (--lm-eval-metric), else the first of the task's metric_list."""
+    metrics = [m["metric"] for m in task.config.metric_list or []] or list(task._metric_fn_list)
+    if override:
+        if override not in metrics:
+            raise UserError(f"`lm_eval_metric` {override} is not a metric of lm-eval task {task.config.task} "
+                            f"(it reports {', '.join(metrics)}); pass one of those")
+        return override
+    return metrics[0]
+
+
+def multiple_choice_data(tasks: dict[str, object], limit: int | None, metric: str | None = None) -> TaskData:
+    """The multiple-choice tasks as ``TaskData``: the requests lm-eval builds for each document, one subject per
+    task. ``acc_norm`` (the primary metric, or ``metric``) divides by the characters of each choice, as lm-eval."""
+    subjects = []
+    for name, task in tasks.items():
+        if task.OUTPUT_TYPE != "multiple_choice":
+            raise UserError(f"lm-eval task {name} is {task.OUTPUT_TYPE}, not multiple choice: its answers are not a "
+                            "choice among options, so it cannot be scored as one; evaluate it with prune-heads eval")
+        norm = primary_metric(task, metric) == "acc_norm"
+        subjects.append(Subject(name, [], _questions(task, name, limit, norm)))
+    return TaskData(f"lm-eval {', '.join(tasks)}", subjects, exemplar_source="lm-eval's few-shot sampler "
+                    f"(seed {FEWSHOT_SEED}, never scored)", task=PREFIX + ",".join(tasks))
+
+
+def _questions(task, name: str, limit: int | None, norm: bool) -> list[Question]:
+    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    by_doc: dict[int, list] = {}
+    for inst in task.instances:
+        by_doc.setdefault(inst.doc_id, []).append(inst)
+    questions = []
+    for doc_id, instances in sorted(by_doc.items()):
+        instances.sort(key=lambda i: i.idx)
+        doc = instances[0].doc
+        choices = task.doc_to_choice(doc)
+        gold = task.doc_to_target(doc)
+        gold = choices.index(gold) if isinstance(gold, str) else gold
+        if not isinstance(gold, int) or not 0 <= gold < len(choices):
+            raise UserError(f"lm-eval task {name}, document {doc_id}: its target {gold!r} is not one choice of "
+                            f"{len(choices)}; prune-heads scores tasks with one correct choice")
+        contexts = {inst.args[0] for inst in instances}
+        if len(contexts) != 1:
+            raise UserError(f"lm-eval task {name} gives each choice its own context (as WinoGrande does); prune-heads "
+                            "evaluates it with `task` winogrande, or with prune-heads eval")
+        questions.append(Question(name, doc_id, instances[0].args[0], tuple(i.args[1] for i in instances), gold,
+                                  tuple(float(len(c)) for c in choices) if norm else None))
+    return questions

@@ -1,0 +1,208 @@
+"""lm-evaluation-harness tasks (``--task lm-eval:NAME``): lm-eval defines the prompts and metrics, prune-heads supplies
+the model as it is verified. Every number is compared with stock lm-eval (its own ``HFLM``) on the same documents:
+multiple choice through prune-heads' shared-prefix passes (what the budget reads), generation and perplexity through
+the bridge, and a per-layer export through lm-eval's ``hf`` model with no prune-heads code in the loop."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from tiny import run_cli, save_tiny, tiny_model
+
+from prune_heads.data.lm_eval_tasks import LmEvalSpec, load_tasks, multiple_choice_data
+from prune_heads.errors import UserError
+from prune_heads.eval.encoding import encode_task
+from prune_heads.eval.passes import evaluate
+from prune_heads.heads import HeadSet
+
+if importlib.util.find_spec("lm_eval") is None and not os.environ.get("CI"):  # CI installs the extra: never skipped
+    pytest.skip("lm-eval is not installed (pip install 'prune-heads[lm-eval]')", allow_module_level=True)
+HEADS = HeadSet.of({0: [0, 1, 2], 1: [4], 3: [0, 5]})
+
+
+def _stock(model, tasks, limit, **kwargs):
+    from lm_eval.evaluator import evaluate as lm_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    hf = model if isinstance(model, HFLM) else HFLM(pretrained=model, batch_size=4, **kwargs)
+    out = lm_evaluate(lm=hf, task_dict=tasks, limit=limit, log_samples=True, verbosity="ERROR")
+    return {name: sorted(samples, key=lambda s: s["doc_id"]) for name, samples in out["samples"].items()}
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_multiple_choice_through_the_budget_passes_equals_stock_lm_eval(lm, norm):
+    from lm_eval.models.huggingface import HFLM
+
+    data = multiple_choice_data(load_tasks(LmEvalSpec("lm-eval:ph_mc")), 10, "acc_norm" if norm else None)
+    ours = evaluate(lm, encode_task(lm, data), None, 4, progress=False)
+    stock = _stock(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=4),
+                   load_tasks(LmEvalSpec("lm-eval:ph_mc")), 10)["ph_mc"]
+    assert [q.index for q in ours.questions] == [s["doc_id"] for s in stock]
+    theirs = torch.tensor([[r[0] for r in s["filtered_resps"]] for s in stock], dtype=torch.float64)
+    assert torch.allclose(ours.loglik, theirs, atol=2e-4)
+    assert ours.correct.tolist() == [s["acc_norm" if norm else "acc"] for s in stock]
+
+
+def test_unablated_bridge_is_stock_lm_eval_for_generation_and_perplexity(lm):
+    from prune_heads.eval.lm_eval_bridge import evaluate_tasks
+
+    spec = LmEvalSpec("lm-eval:ph_gen,ph_rolling")
+    ours = evaluate_tasks(lm, load_tasks(spec), None, 4, 6)["samples"]
+    stock = _stock(lm.model, load_tasks(spec), 6, tokenizer=lm.tokenizer)
+    for name in ("ph_gen", "ph_rolling"):
+        mine = sorted(ours[name], key=lambda s: s["doc_id"])
+        assert [s["resps"] for s in mine] == [s["resps"] for s in stock[name]], name
+
+
+def test_label_free_generation_measures_are_exact_without_ablation(lm):
+    from prune_heads.eval.lm_eval_bridge import evaluate_tasks, generation_agreement
+    from prune_heads.eval.lm_eval_results import generation_summary
+
+    spec = LmEvalSpec("lm-eval:ph_gen")
+    base = evaluate_tasks(lm, load_tasks(spec), None, 4, 6)
+    again = evaluate_tasks(lm, load_tasks(spec), HeadSet.of({}), 4, 6)
+    rows = generation_agreement(again["model"], base["model"], again["samples"]["ph_gen"], base["samples"]["ph_gen"])
+    summary = generation_summary(rows)
+    assert summary["same_generation"] == 1.0 and summary["kl_per_token_nats"] < 1e-9
+    ablated = evaluate_tasks(lm, load_tasks(spec), HEADS, 4, 6)
+    rows = generation_agreement(ablated["model"], base["model"], ablated["samples"]["ph_gen"],
+                                base["samples"]["ph_gen"])
+    assert generation_summary(rows)["kl_per_token_nats"] > 1e-4  # heads that matter move the model
+
+
+@pytest.mark.parametrize("how", ["trust_remote_code", "import prune_heads"])
+def test_a_per_layer_export_under_stock_lm_eval_equals_the_verified_ablation(lm, tmp_path, how):
+    """lm-eval's own ``hf`` model, given the export's directory, and the bridge on the original with the export's
+    plan ablated: the same log-likelihoods (float32 rounding) and the same generations."""
+    import subprocess
+    import sys
+
+    from exporters.export import ExportOptions, export_pruned
+    from prune_heads.eval.lm_eval_bridge import evaluate_tasks
+
+    out = tmp_path / "export"
+    out.mkdir()
+    result = export_pruned(lm, HEADS, out, ExportOptions(layout="per-layer", progress=False))
+    spec = LmEvalSpec("lm-eval:ph_mc,ph_gen,ph_rolling", num_fewshot=2)
+    ours = evaluate_tasks(lm, load_tasks(spec), result.choice.plan, 4, 6)["samples"]
+    from prune_heads.data.lm_eval_tasks import EXAMPLES
+
+    remote = ", trust_remote_code=True" if how == "trust_remote_code" else ""
+    script = ("" if remote else "import prune_heads  # registers the per-layer classes\n") + f"""
+import json, sys
+from lm_eval.evaluator import evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager, get_task_dict
+assert ("prune_heads" in sys.modules) == {not remote}  # with trust_remote_code, no prune-heads code in this process
+tasks = get_task_dict(["ph_mc", "ph_gen", "ph_rolling"], TaskManager(include_path=".", include_defaults=False))
+for task in tasks.values():
+    task.set_fewshot_seed(seed=1234)
+    task.set_config(key="num_fewshot", value=2)
+hf = HFLM(pretrained=sys.argv[1], batch_size=4, device="cpu", dtype="float32"{remote})
+out = evaluate(lm=hf, task_dict=tasks, limit=6, log_samples=True, verbosity="ERROR")
+print(json.dumps({{t: [[s["doc_id"], s["resps"]] for s in v] for t, v in out["samples"].items()}}, default=float))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=EXAMPLES, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("ph_mc", "ph_gen", "ph_rolling"):
+        mine = {s["doc_id"]: s["resps"] for s in ours[name]}
+        for doc_id, resps in stock[name]:
+            if name == "ph_gen":
+                assert resps == mine[doc_id], (name, doc_id)
+            else:
+                got = np.array([r[0][0] if isinstance(r[0], list) else r[0] for r in resps], dtype=float)
+                want = np.array([r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in mine[doc_id]],
+                                dtype=float)
+                assert np.allclose(got, want, atol=1e-3), (name, doc_id, got, want)
+
+
+# -- the commands ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("lm-eval") / "model", "llama")
+
+
+def test_eval_writes_one_record_per_document_and_the_paired_summary(tmp_path, model_dir, capsys):
+    heads = tmp_path / "h.json"
+    heads.write_text(json.dumps(HEADS.to_json()))
+    out = tmp_path / "e"
+    code, _, err = run_cli(["eval", "--model", model_dir, "--task", "lm-eval:ph_mc,ph_gen,ph_rolling", "--task-limit",
+                            "5", "--ablate", heads, "--out", out, "--no-progress"], capsys)
+    assert code == 0, err
+    rows = [json.loads(x) for x in (out / "lm-eval_ph_mc+ph_gen+ph_rolling.jsonl").read_text().splitlines()]
+    assert sorted({r["task"] for r in rows}) == ["ph_gen", "ph_mc", "ph_rolling"] and len(rows) == 15
+    gen = [r for r in rows if r["task"] == "ph_gen"]
+    assert all({"doc_id", "exact_match", "ablated_exact_match", "generation", "ablated_generation", "token_agreement",
+                "kl_per_token"} <= set(r) for r in gen)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tasks"]["ph_mc"]["paired"]["unit"] == "points" and summary["tasks"]["ph_mc"]["metric"] == "acc"
+    assert summary["tasks"]["ph_rolling"]["paired"]["unit"] == "nats per unit"
+    assert 0 <= summary["tasks"]["ph_gen"]["generation"]["same_generation"] <= 1
+    assert "exact_match,strip" in summary["lm_eval"]["ablated"]["ph_gen"]
+
+
+def test_the_main_command_verifies_a_budget_on_an_lm_eval_task(tmp_path, model_dir, capsys):
+    out = tmp_path / "p"
+    code, _, err = run_cli(["--model", model_dir, "--task", "lm-eval:ph_mc", "--task-limit", "12", "--budget",
+                            "0.05nat", "--calibration-size", "4", "--no-guard", "--out", out, "--no-progress"], capsys)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["task"] == "lm-eval:ph_mc"
+    confirmation = report.get("confirmation") or {}
+    assert confirmation.get("questions", 0) > 0 and "confirmed" in confirmation, confirmation
+    rows = (out / "cache").is_dir() and (out / "prune_heads.json").is_file()
+    assert rows
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------------------
+
+
+def _one_line(code, err, expect):
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert expect in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case,expect", [
+    (["--task", "lm-eval:ph_mcc"], "did you mean ph_mc"),
+    (["--task", "lm-eval:"], "names no lm-eval task"),
+    (["--task", "lm-eval:ph_mc", "--lm-eval-include", "FILE"], "is a file"),
+    (["--task", "lm-eval:ph_mc", "--lm-eval-include", "EMPTY"], "holds no .yaml task files"),
+    (["--task", "lm-eval:ph_mc", "--lm-eval-metric", "bleu"], "is not a metric of lm-eval task ph_mc"),
+    (["--task", "lm-eval:hub_only", "--lm-eval-include", "HUBTASK"], "point the task's YAML at local files"),
+])
+def test_bad_lm_eval_input_is_one_line_before_the_model_loads(tmp_path, model_dir, capsys, case, expect):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    hub = tmp_path / "hubtask"
+    hub.mkdir()
+    (hub / "hub_only.yaml").write_text("task: hub_only\ndataset_path: someone/not-on-this-machine\ntest_split: test\n"
+                                       "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: ['a', 'b']\n"
+                                       "doc_to_target: 0\n")
+    args = [str(a).replace("FILE", str(tmp_path / "file")).replace("EMPTY", str(tmp_path / "empty"))
+            .replace("HUBTASK", str(hub)) for a in case]
+    code, _, err = run_cli(["eval", "--model", model_dir, *args, "--out", tmp_path / "o"], capsys)
+    _one_line(code, err, expect)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_generative_task_as_a_budget_and_a_missing_lm_eval_are_one_line(tmp_path, model_dir, capsys, monkeypatch):
+    code, _, err = run_cli(["--model", model_dir, "--task", "lm-eval:ph_gen", "--out", tmp_path / "o"], capsys)
+    _one_line(code, err, "prune-heads eval")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    with pytest.raises(UserError, match=r"pip install 'prune-heads\[lm-eval\]'"):
+        load_tasks(LmEvalSpec("lm-eval:ph_mc"))
