@@ -77,9 +77,10 @@ def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, head
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged, encode=False)
         spec = lm_eval_spec(settings)
-        base = evaluate_tasks(run.lm, load_tasks(spec), None, settings.batch_size, settings.task_limit)
-        ablated = (evaluate_tasks(run.lm, load_tasks(spec), heads, settings.batch_size, settings.task_limit)
-                   if heads else None)
+        base = evaluate_tasks(run.lm, load_tasks(spec), None, settings.batch_size, settings.task_limit,
+                              settings.progress)
+        ablated = (evaluate_tasks(run.lm, load_tasks(spec), heads, settings.batch_size, settings.task_limit,
+                                  settings.progress) if heads else None)
         summary = {"model": run.lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
                    "task": settings.task, "ablated_heads": heads.to_json() if heads else {},
                    "lm_eval": {"unablated": _plain(base["results"]), **({"ablated": _plain(ablated["results"])}

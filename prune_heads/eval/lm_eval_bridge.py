@@ -14,6 +14,7 @@ Imported only where an lm-eval task is asked for (the ``lm-eval`` extra).
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
@@ -27,10 +28,24 @@ from prune_heads.plan.ablation import ablate
 class VerifiedLM(HFLM):
     """lm-eval's HFLM on ``lm`` with ``target`` (a HeadSet, a PrunePlan, or None) ablated in every pass."""
 
-    def __init__(self, lm: LoadedModel, target=None, batch_size: int = 8):
-        super().__init__(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size,
-                         add_bos_token=True if lm.arch.add_bos_for_eval else None)
-        self.loaded, self.target = lm, target
+    def __init__(self, lm: LoadedModel, target=None, batch_size: int = 8, progress: bool = True):
+        said = logging.getLogger("lm_eval.models.huggingface")
+        level, _ = said.level, said.setLevel(logging.ERROR)  # its warnings about a model passed as an object
+        try:
+            super().__init__(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size,
+                             add_bos_token=True if lm.arch.add_bos_for_eval else None)
+        finally:
+            said.setLevel(level)
+        self.loaded, self.target, self.progress = lm, target, progress
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return super().generate_until(requests, disable_tqdm=disable_tqdm or not self.progress)
 
     def ablated(self):
         return ablate(self.loaded, self.target) if self.target is not None else nullcontext()
@@ -44,10 +59,11 @@ class VerifiedLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 
-def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 8, limit: int | None = None) -> dict:
+def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 8, limit: int | None = None,
+                   progress: bool = True) -> dict:
     """lm-eval's ``evaluate`` of ``tasks`` (fresh lm-eval Task objects: lm-eval builds their requests) on ``lm`` with
     ``target`` ablated: its results, per-document samples and the model it ran (for teacher forcing)."""
-    model = VerifiedLM(lm, target, batch_size)
+    model = VerifiedLM(lm, target, batch_size, progress)
     out = evaluate(lm=model, task_dict=tasks, limit=limit, log_samples=True, verbosity="ERROR")
     return {"results": out["results"], "samples": out["samples"], "model": model}
 
