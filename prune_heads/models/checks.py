@@ -42,25 +42,34 @@ def check_config(config, spec: str) -> None:
                             "config.json or pass another model")
 
 
-FINITE_CHUNK = 1 << 24  # elements checked at a time: the check's own memory stays a few MiB on any model
+FINITE_CHUNK = 1 << 20  # elements checked at a time: the check's own memory stays a few MiB on any model
+
+
+def _chunks(tensor):
+    """``tensor``'s values in pieces of at most ``FINITE_CHUNK``, as views where it is contiguous (no copy)."""
+    if tensor.is_contiguous():
+        flat = tensor.view(-1)
+        return (flat[lo:lo + FINITE_CHUNK] for lo in range(0, flat.numel(), FINITE_CHUNK))
+    return (row.reshape(-1) for row in tensor)  # one row of a strided tensor copied at a time
 
 
 def check_finite(tensors, spec: str, what: str = "weights") -> None:
     """Every value of ``tensors`` ((name, tensor) pairs) is a finite number; else one line naming the first tensor
     that is not. A NaN or infinity in the weights makes every logit NaN, and a NaN compares as no difference at all,
-    so it is refused before any pass. Tensors on the meta device (offloaded to disk by accelerate) are skipped."""
+    so it is refused before any pass. Tensors on the meta device (offloaded to disk by accelerate) are skipped.
+    Read a piece at a time: a piece's sum (accumulated in float32) is finite when its values are (a NaN or infinity
+    carries through), and only a piece whose sum is not is searched value by value."""
     import torch
 
     for name, tensor in tensors:
         if tensor.device.type == "meta" or not tensor.is_floating_point():
             continue
-        flat = tensor.detach().reshape(-1)
-        for lo in range(0, flat.numel(), FINITE_CHUNK):
-            part = flat[lo:lo + FINITE_CHUNK]
-            if not bool(torch.isfinite(part).all()):
-                bad = part[~torch.isfinite(part)][0].item()
-                raise UserError(f"the {what} of {spec!r} hold {bad} in {name}; a model with NaN or infinite weights "
-                                "computes nothing that can be verified: fix or re-download the checkpoint")
+        for part in _chunks(tensor.detach()):
+            if bool(torch.isfinite(part.sum())) or bool(torch.isfinite(part).all()):
+                continue
+            bad = part[~torch.isfinite(part)][0].item()
+            raise UserError(f"the {what} of {spec!r} hold {bad} in {name}; a model with NaN or infinite weights "
+                            "computes nothing that can be verified: fix or re-download the checkpoint")
 
 
 def safetensors_header(path: Path, spec: str) -> dict:
