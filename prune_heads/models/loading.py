@@ -54,13 +54,12 @@ class ModelSource:
         model's original repository; None for a local directory or GGUF."""
         if self.kind == "hub":
             return self.spec
-        return EMBEDDED_MODELS[self.spec].get("hub_id") if self.kind == "embedded" else None
+        return EMBEDDED_MODELS.get(self.spec, {}).get("hub_id") if self.kind == "embedded" else None
 
     def published(self) -> dict:
         """What a record others read (prune_heads.json, the card) says of the source: its Hub id, else its base name,
         never a local path (which names the user's machine and home directory)."""
-        local = (Path(self.gguf_file or self.path).name or Path(self.spec).name or self.spec) if self.kind in (
-            "directory", "gguf") else self.spec
+        local = Path(self.gguf_file or self.path).name or Path(self.spec).name or self.spec
         return {"name": self.hub_id or local, **({"hub_id": self.hub_id} if self.hub_id else {}), "kind": self.kind,
                 "gguf_file": self.gguf_file, "revision": self.revision, "fingerprint": self.fingerprint}
 
