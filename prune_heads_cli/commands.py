@@ -42,7 +42,7 @@ from prune_heads.pipeline.stages import (
     warn_chance,
 )
 from prune_heads.report import plots
-from prune_heads.report.report import METRIC_NAMES, budget_definition, prune_report
+from prune_heads.report.report import METRIC_NAMES, budget_definition, mark_refusals, prune_report
 from prune_heads.search.selection import Selection, gqa_costs
 from prune_heads.search.verifier import Verifier, VerifierSetup
 from prune_heads_cli.console import worded, worded_json
@@ -101,6 +101,7 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
         export = _export(run, verifier, selection, warnings, confirmation, guarded) if run.settings.export else None
         report = _report(run, scored, verifier, selection, warnings, confirmation, resolution, export)
         report["guard"] = guarded
+        report["points"] = mark_refusals(report["points"], confirmation, guarded)
         # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
         # never sit beside the reloaded weights, the run's memory peak.
         _plot_selection(run, scored.table, selection, report, verifier.baseline)

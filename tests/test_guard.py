@@ -182,7 +182,12 @@ def test_the_guard_refuses_a_point_and_confirmation_steps_back(model_dir, tmp_pa
     assert g["enabled"] and [p["within_tolerance"] for p in g["points"]] == [False, True]
     assert g["points"][1]["num_heads"] < g["points"][0]["num_heads"] and "reason" in g["points"][0]
     assert report["final"]["num_heads_removed"] == g["points"][1]["num_heads"] == g["chosen"]["num_heads"]
-    assert report["confirmation"]["points"][0]["refused_by_guard"] is True
+    # The guard reads a point before its confirmation: the refused point spent no confirmation question.
+    assert [p["num_heads"] for p in report["confirmation"]["points"]] == [g["points"][1]["num_heads"]]
+    assert err.index("refused: copy at 512 tokens") < err.index("confirmation of")
+    refused = [p for p in report["points"] if p.get("refused")]  # what the plots draw as refused, with the reason
+    assert [(p["num_heads"], p["refused"]["by"]) for p in refused] == [(g["points"][0]["num_heads"], "guard")]
+    assert "copy at 512 tokens" in refused[0]["refused"]["reason"]
     assert set(g["chosen"]["per_length"]) == {"passkey", "copy"}
     assert list(g["chosen"]["per_length"]["passkey"]) == ["512"]  # the tiny model's context caps 2048
     assert set(g["original"]) == {"passkey", "copy"} and g["probes"][0]["prompts"] == {"512": 4}

@@ -70,6 +70,7 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
             mew=2,
             label="over budget",
         )
+    _mark_refused(ax, pts, lambda p: base + p["delta_points"])
     chosen = [p for p in pts if p.get("chosen")]
     if chosen:
         ax.plot(
@@ -88,11 +89,28 @@ def search_curve(points: list[dict], baseline_accuracy: float, budget_points: fl
     return _save(fig, path)
 
 
+REFUSED_MARKERS = {"guard": ("D", "tab:orange", "refused by the long-context guard"),
+                   "confirmation": ("s", "tab:brown", "refused by confirmation on unseen questions")}
+
+
+def _mark_refused(ax, pts: list[dict], y, x=lambda p: 100 * p["fraction"]) -> None:
+    """Points the guard or the confirmation refused, each kind with its own marker and its reason in the legend (the
+    first point's reason; report.json has every one)."""
+    for by, (marker, color, label) in REFUSED_MARKERS.items():
+        refused = [p for p in pts if (p.get("refused") or {}).get("by") == by]
+        if refused:
+            reason = refused[0]["refused"]["reason"]
+            reason = reason if len(reason) <= 40 else reason[:37] + "..."
+            ax.plot([x(p) for p in refused], [y(p) for p in refused], marker, color=color,
+                    markersize=9, fillstyle="none", mew=2, linestyle="none", label=f"{label}: {reason}")
+
+
 def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str, base: float) -> Path:
     x = [100 * p["fraction"] for p in pts]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.0))
     ax1.plot(x, [p["kl_answer_nats"] for p in pts], "o-", color="tab:purple", label="mean answer KL")
     ax1.axhline(budget_nats, color="tab:red", linestyle=":", label=f"budget ({budget_nats:g} nat)")
+    _mark_refused(ax1, pts, lambda p: p["kl_answer_nats"])
     ax1.set_xlabel("% of heads ablated (dormant first)")
     ax1.set_ylabel("KL(unablated || ablated), nats")
     ax1.legend(fontsize=8)
@@ -227,6 +245,8 @@ def shipped_curve(points: list[dict], budget, path: Path, title: str = "") -> Pa
         over = [(xi, yi) for xi, yi, p in zip(x, y, pts) if not p.get("within_budget", True)]
         if over:
             ax.plot(*zip(*over), "x", color="tab:red", markersize=9, mew=2, label="over budget")
+        _mark_refused(ax, pts, lambda p: p.get(key, float("nan")) if key else -p["delta_points"],
+                      lambda p, f=field, d=denominator: 100 * p["shipped"][f] / d)
         chosen = [(xi, yi) for xi, yi, p in zip(x, y, pts) if p.get("chosen")]
         if chosen:
             ax.plot(*zip(*chosen), "*", color="tab:red", markersize=14, label="chosen")

@@ -40,6 +40,23 @@ def lm_eval_rows(result: EvalResult) -> list[dict]:
             for q, p, c, ll in zip(result.questions, result.pred, result.correct, result.loglik)]
 
 
+def mark_refusals(points: list[dict], confirmation: dict, guard: dict) -> list[dict]:
+    """The search's points with ``refused``: ``{"by": "guard" | "confirmation", "reason": ...}`` on each one the
+    long-context guard or the confirmation on unseen questions turned down (matched by head count), so the plots and
+    readers of report.json tell a refused point from an ordinary passing one."""
+    refused = {}
+    for p in (confirmation or {}).get("points", []):
+        if not p.get("within_budget", True):
+            refused[p["num_heads"]] = {"by": "confirmation", "reason": f"over budget on {confirmation['questions']} "
+                                       f"unseen questions (delta {p['delta_points']:+.2f} pt, answer KL "
+                                       f"{p['kl_answer_nats']:.4f} nat)"}
+    for p in (guard or {}).get("points", []):
+        if not p.get("within_tolerance", True):
+            refused[p["num_heads"]] = {"by": "guard", "reason": p.get("reason", "a long-context probe")}
+    return [dict(p, refused=refused[p["num_heads"]]) if p.get("num_heads") in refused and p.get("within_budget")
+            else p for p in points]
+
+
 METRIC_NAMES = {"kl": "answer KL", "kl-text": "next-token KL on held-out text"}
 
 

@@ -9,7 +9,9 @@ point along the search's own curve is confirmed, and so on; every attempt is rec
 is removed.
 
 With the long-context guard (guard.py), a point must also keep every long-context probe within its tolerance of the
-unablated model; a point that confirms but fails the guard is refused the same way, and the walk goes on.
+unablated model. The guard reads a point first, since its probes cost less than the confirmation questions: a point it
+refuses spends none of them (the unablated model's confirmation baseline is computed only once a point reaches it),
+and the walk goes on.
 """
 from __future__ import annotations
 
@@ -60,11 +62,11 @@ def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Sel
         return selection, {"confirmed": None, "reason": questions.source}, guarded
     smaller = _smaller(selection, ranking, verifier) if guard is not None and ranking is not None else ()
     for point in itertools.chain(_candidates(selection, objective, confirmed_first=confirmer is not None), smaller):
-        if confirmer is not None and not confirmer.passes(point):
-            continue
+        # The cheapest refusal first: the guard's probes (a few prompts, cheapest probe first, stopping at the first
+        # failure) before the point spends the confirmation questions.
         if guard is not None and not _guarded(guard, verifier, point.heads, guarded):
-            if confirmer is not None:
-                confirmer.report["points"][-1]["refused_by_guard"] = True
+            continue
+        if confirmer is not None and not confirmer.passes(point):
             continue
         report = confirmer.accept(point) if confirmer else {"confirmed": None, "reason": questions.source}
         if point is selection:
@@ -116,15 +118,23 @@ class _Confirmer:
     def __init__(self, verifier: Verifier, questions: ConfirmationQuestions):
         self.verifier, self.work = verifier, verifier.work
         self.enc = encode_task(self.work.lm, questions.data)
-        self.baseline = self.work.evaluate(self.enc, None, "unablated (confirmation)")
         self.report = {"questions": len(self.enc), "subjects": len(self.enc.subjects), "source": questions.source,
-                       "rule": verifier.budget.rule, "baseline": accuracy_summary(self.baseline), "points": [],
+                       "rule": verifier.budget.rule, "points": [],
                        "question_ids": [[q.subject, q.index] for q in questions.data.questions]}
-        self._last: tuple | None = None
+        self._baseline, self._last = None, None
+
+    @property
+    def baseline(self):
+        """The unablated model on the confirmation questions, evaluated when the first point reaches them."""
+        if self._baseline is None:
+            self._baseline = self.work.evaluate(self.enc, None, "unablated (confirmation)")
+            self.report["baseline"] = accuracy_summary(self._baseline)
+        return self._baseline
 
     def passes(self, point) -> bool:
+        baseline = self.baseline
         result = self.work.evaluate(self.enc, self.verifier.target(point.heads), f"confirm {point.num_heads} heads")
-        delta, kl, agree, ok = judge(self.verifier.budget, result, self.baseline)
+        delta, kl, agree, ok = judge(self.verifier.budget, result, baseline)
         self.report["points"].append(_record(point, delta, kl, agree, ok))
         say(f"  confirmation of {point.num_heads} heads on {len(self.enc)} unseen questions: delta {delta.delta:+.2f} "
             f"pt [{delta.ci_low:+.2f}, {delta.ci_high:+.2f}]  KL {kl:.4f} nat  "
