@@ -43,6 +43,7 @@ from prune_heads.plan.ablation import ablate
 from prune_heads.plan.healing import Healer
 from prune_heads.plan.planner import LayoutChoice, Planner, planner_for
 from prune_heads.plan.slicing import pruned_copy
+from prune_heads.timings import stage
 
 REFERENCE_DIR = ".reference-logits"  # hidden: not part of the model, gone once the reload is checked
 
@@ -120,9 +121,11 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, options: ExportOpt
             f"{verification['max_abs_logit_diff']:.3g} (compared in {verification['compared_in']}, tolerance "
             f"{verification['tolerance']:g})")
         reloaded = verification.pop("_model")
-        vllm = _run_vllm(shipped.vllm, out, reloaded)
+        with stage("vllm"):
+            vllm = _run_vllm(shipped.vllm, out, reloaded)
         memory.policy().between_stages()  # the logit check's float32 upcasts, before the task passes reuse the heap
-        task_eval = _evaluate_export(reloaded, out, check, healing, options.progress) if check is not None else None
+        with stage("task on the export"):
+            task_eval = _evaluate_export(reloaded, out, check, healing, options.progress) if check is not None else None
         del reloaded
         found = {"stats": stats, "verification": verification, "task_eval": task_eval, "healing": healing}
         meta = build_manifest(lm, heads, choice, found, info or {}, enc)
@@ -143,8 +146,9 @@ def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: 
     the GGUF and the safetensors files are written from it, then the original is released when the caller is done
     with it and the reload is checked; for a GGUF alone, the pruned model in memory is checked instead."""
     pruned, healing = (None, None) if offloaded else _pruned_model(lm, choice, enc, healer)
-    gguf = (export_gguf(lm, pruned, choice, out, options.gguf_type, sample_prompts(lm, enc), options.measure_speed,
-                        healed=healing is not None) if "gguf" in options.formats else None)
+    with stage("gguf"):
+        gguf = (export_gguf(lm, pruned, choice, out, options.gguf_type, sample_prompts(lm, enc), options.measure_speed,
+                            healed=healing is not None) if "gguf" in options.formats else None)
     if "safetensors" not in options.formats:
         shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
                                 _speed(lm, pruned) if options.measure_speed else None, model_parameters(pruned))
@@ -156,7 +160,8 @@ def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: 
     released = options.release_source and not getattr(lm.model, "hf_device_map", None)
     if released:
         release_weights(lm.model)  # the caller is done with the original: free its weights before the reload
-    _check_reload(lm, choice, out, shipped, released, options.placement)
+    with stage("reload check"):
+        _check_reload(lm, choice, out, shipped, released, options.placement)
     return shipped, gguf, healing
 
 
@@ -274,7 +279,8 @@ def _speed(lm: LoadedModel, pruned) -> dict:
     """The pruned model (the export's weights and shapes, sharing the rest with the original) timed against the
     original in this run (a few seconds); a failure is recorded, not fatal."""
     try:
-        speed = measure(lm.model, pruned, lm.arch)
+        with stage("speed"):
+            speed = measure(lm.model, pruned, lm.arch)
     except Exception as e:  # noqa: BLE001  (timing must never lose a verified export)
         return {"skipped": f"{type(e).__name__}: {str(e)[:120]}"}
     say(f"speed of the export against the original ({speed['dtype']}, {speed['device']}, batch {speed['batch']}): "

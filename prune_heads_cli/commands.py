@@ -8,12 +8,12 @@ cache when rerun. This is the only layer that knows both the core (``prune_heads
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from exporters.export import ExportCheck, ExportOptions, ExportResult, export_pruned
 from exporters.lora import check_sliced, load_sliced, slice_adapter
+from prune_heads import timings
 from prune_heads.console import say
 from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult, agreement, paired_delta
@@ -45,6 +45,7 @@ from prune_heads.report import plots
 from prune_heads.report.report import METRIC_NAMES, budget_definition, mark_refusals, prune_report
 from prune_heads.search.selection import Selection, gqa_costs
 from prune_heads.search.verifier import Verifier, VerifierSetup
+from prune_heads.timings import stage
 from prune_heads_cli.console import worded, worded_json
 
 
@@ -76,20 +77,28 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
     """Score, search, confirm, export, report: everything is written into a staging directory beside ``out`` and
     renamed into place only once the export has been reloaded and verified. Under torchrun every rank shares the
     scoring and evaluations up to the decision; rank 0 then writes and exports alone, and the others return None."""
-    started = time.time()
+    clock = timings.start()
     staged = _staged_on_root(settings, inputs, out, force, ranks)
     with staged or contextlib.nullcontext():
-        run = open_run(settings, inputs, staged, ranks=ranks)
+        with stage("load"):
+            run = open_run(settings, inputs, staged, ranks=ranks)
         say(describe(run))
-        run, resolution = sized_to_budget(run)  # from here on run.settings (with --mmlu-per-subject auto: sized)
-        scored = score(run)
-        verifier = verifier_for(run)
-        ranking = ranked(run, scored, verifier)
-        resolution = resolution or resolution_of(run, ranking, verifier)
+        with stage("sizing"):
+            run, resolution = sized_to_budget(run)  # from here on run.settings (with --mmlu-per-subject auto: sized)
+        with stage("scoring"):
+            scored = score(run)
+        with stage("baseline"):
+            verifier = verifier_for(run)
+        with stage("search"):
+            ranking = ranked(run, scored, verifier)
+            resolution = resolution or resolution_of(run, ranking, verifier)
         warnings = [worded(w) for w in _say_baseline(run, verifier, resolution)]
-        guard = guard_for(run)
-        selection, confirmation, guarded = confirmed(run, verifier, select(run, ranking, scored, verifier), guard,
-                                                     ranking)
+        with stage("search"):
+            searched = select(run, ranking, scored, verifier)
+        with stage("guard"):  # sized on a pilot read of the search's choice: the first point it will judge
+            guard = guard_for(run, verifier.target(searched.heads) if searched.heads else None)
+        with stage("confirmation"):  # the guard's reads inside count as "guard"
+            selection, confirmation, guarded = confirmed(run, verifier, searched, guard, ranking)
         confirmation, guarded = worded_json(confirmation), worded_json(guarded)
         if guard is not None:
             guarded["seconds"] = round(guard.seconds, 1)
@@ -98,17 +107,21 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
         run.work.finish_alone()
         _say_selection(run, selection)
         write_json(run.stage / "heads.json", selection.heads.to_json())
-        export = _export(run, verifier, selection, warnings, confirmation, guarded) if run.settings.export else None
-        report = _report(run, scored, verifier, selection, warnings, confirmation, resolution, export)
-        report["guard"] = guarded
-        report["points"] = mark_refusals(report["points"], confirmation, guarded)
-        # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
-        # never sit beside the reloaded weights, the run's memory peak.
-        _plot_selection(run, scored.table, selection, report, verifier.baseline)
+        with stage("export"):  # the reload check, vLLM, the task on the export and the speed are their own stages
+            export = _export(run, verifier, selection, warnings, confirmation, guarded) if run.settings.export else None
+        with stage("report"):
+            report = _report(run, scored, verifier, selection, warnings, confirmation, resolution, export)
+            report["guard"] = guarded
+            report["points"] = mark_refusals(report["points"], confirmation, guarded)
+            # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
+            # never sit beside the reloaded weights, the run's memory peak.
+            _plot_selection(run, scored.table, selection, report, verifier.baseline)
         report["processes"] = ranks.size  # torchrun's ranks that shared the scoring and evaluations
-        report["seconds"] = round(time.time() - started, 1)
+        report["timings"] = clock.to_json()
+        report["seconds"] = report["timings"]["total"]
         write_json(run.stage / "report.json", worded_json(report))
     say(f"{'pruned model, report' if settings.export else 'report'}: {out}", fg="green")
+    say(f"done in {clock.describe()}", fg="green")
     return PruneRun(run, scored.table, selection, report, export and export.result)
 
 

@@ -19,6 +19,7 @@ STAGES = (
     "prune_heads.heads",  # HeadSet, ScoreTable
     "prune_heads.console",  # what a run says (the CLI shows it)
     "prune_heads.memory",  # the memory policy the entry point installs
+    "prune_heads.timings",  # the run's clock: seconds per named stage
     "prune_heads.models",  # adapters (the only architecture knowledge), loading, geometry, pass budgets, counting
     "prune_heads.data",  # tasks, MMLU, calibration texts
     "prune_heads.plan",  # Planner/PrunePlan, slicing, ablation, healing
