@@ -178,3 +178,48 @@ def test_the_embedded_gguf_goes_in_and_a_smaller_gguf_with_its_tokenizer_comes_o
     g = json.loads((out / "prune_heads.json").read_text())["gguf"]
     assert g["architecture"] == "deci" and g["head_counts"][7] == 3 and g["head_counts"][3] == 6
     assert g["verified_in_llama_cpp"] and g["bytes"] < g["unpruned_bytes"] and g["tokenizer_agreement"] == 1.0
+
+
+# The held-out head set of issue 42: layer 0 emptied, a whole KV group of layer 5, one head per group in layers 10, 20
+HELD_OUT = {"0": list(range(9)), "5": [3, 4, 5], "10": [0, 3, 6], "20": [1, 4, 7]}
+
+
+@needs_llama
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+def test_the_held_out_shape_is_accepted_with_a_tolerance_from_its_masked_twin(kind, tmp_path, capsys):
+    """The per-layer GGUF of the held-out set computes exactly what the same heads zeroed in the unpruned shapes
+    compute in llama.cpp; that ablated network just amplifies llama.cpp's rounding more than the unpruned one (the
+    rule of twice the unpruned round trip refused this correct export). The tolerance comes from the twin now."""
+    out, err = _export("smollm2-135m", tmp_path, capsys, HELD_OUT, "--format", "gguf", "--gguf-type", kind,
+                       "--layout", "per-layer")
+    g = json.loads((out / "prune_heads.json").read_text())["gguf"]
+    twin, round_trip = g["masked_twin"], g["unpruned_round_trip"]
+    assert g["architecture"] == "deci" and g["verified_in_llama_cpp"] and g["zero_head_in_layer_0"]
+    assert g["max_abs_logit_diff"] > 2 * round_trip["max_abs_logit_diff"] + 1e-3  # the old rule's refusal
+    assert twin["max_abs_logit_diff"] > round_trip["max_abs_logit_diff"]
+    assert g["tolerance"] == pytest.approx(2 * twin["max_abs_logit_diff"] + 1e-3, abs=2e-6)
+    assert g["max_abs_logit_diff"] <= g["tolerance"]
+    assert twin["export_max_abs_logit_diff"] <= twin["tolerance"]  # the export is its twin, up to summation order
+    assert "from the masked twin's" in err
+
+
+@needs_llama
+def test_a_wrong_slice_of_the_held_out_shape_is_still_refused(tmp_path, capsys, monkeypatch):
+    """Two kept heads of layer 10 swapped in o_proj (what a slicing bug would write) at f16, where the twin's
+    tolerance against the verified model is widest: refused, nothing under --out."""
+    import exporters.gguf.export as gguf_export
+
+    real = gguf_export.write_gguf
+
+    def swapped(lm, model, shapes, path, tensor_type="f16"):
+        if path.name == "model.gguf":
+            o_proj = model.model.layers[10].self_attn.o_proj.weight
+            with torch.no_grad():
+                first, second = o_proj[:, 0:64].clone(), o_proj[:, 64:128].clone()
+                o_proj[:, 0:64], o_proj[:, 64:128] = second, first
+        return real(lm, model, shapes, path, tensor_type)
+
+    monkeypatch.setattr(gguf_export, "write_gguf", swapped)
+    out, err = _export("smollm2-135m", tmp_path, capsys, HELD_OUT, "--format", "gguf", "--gguf-type", "f16",
+                       "--layout", "per-layer", code=2)
+    assert "the GGUF does not run in llama.cpp as the verified model does" in err and not out.exists()
