@@ -68,10 +68,30 @@ class ProbeResult:
 
 
 def _target_logits(lm: LoadedModel, item: ProbeItem) -> torch.Tensor:
-    """Float32 log-probabilities predicting each target token: ``[target, vocab]``."""
+    """The logits predicting each target token, as the model computes them: ``[target, vocab]``."""
     ids = torch.tensor([item.ids], device=lm.device)
-    logits = lm.model(input_ids=ids, use_cache=False, logits_to_keep=item.target + 1).logits
-    return torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    return lm.model(input_ids=ids, use_cache=False, logits_to_keep=item.target + 1).logits[0, :-1]
+
+
+CHUNK = 128  # target positions turned into float32 log-probabilities at a time (a 2,048-token copy prompt's 1,023
+# targets at once were 0.4 GB of float32 beside the model: the guard's memory peak on the embedded model)
+
+
+def _item_values(logits: torch.Tensor, gold: torch.Tensor, reference: torch.Tensor | None) -> dict[str, float]:
+    """One item's nll, token accuracy, match and KL from the unablated ``reference`` logits (when given), computed
+    over the target positions a chunk at a time."""
+    nll, hits, kl = 0.0, [], 0.0
+    for start in range(0, logits.shape[0], CHUNK):
+        logp = torch.log_softmax(logits[start:start + CHUNK].float(), dim=-1)
+        want = gold[start:start + CHUNK]
+        nll += float(-logp.gather(-1, want[:, None]).double().sum())
+        hits.append(logp.argmax(-1) == want)
+        if reference is not None:
+            ref = torch.log_softmax(reference[start:start + CHUNK].float(), dim=-1)
+            kl += float((ref.exp() * (ref - logp)).sum(-1).clamp(min=0).double().sum())
+    hit = torch.cat(hits).double()
+    n = gold.numel()
+    return {"nll": nll / n, "token_accuracy": float(hit.mean()), "match": float(hit.min()), "kl": kl / n}
 
 
 @torch.no_grad()
@@ -91,11 +111,6 @@ def probe_pass(lm: LoadedModel, probe: ProbeSet, masks: "HeadSet | PrunePlan | t
                 abl.set_mask(None)
                 reference = _target_logits(lm, item)
             abl.set_mask((masks[i] if per_item else masks) if ablated else None)
-            logp = _target_logits(lm, item)
-            hits = (logp.argmax(-1) == gold).double()
-            values["nll"][i] = float(-logp.gather(-1, gold[:, None]).double().mean())
-            values["token_accuracy"][i] = float(hits.mean())
-            values["match"][i] = float(hits.min())
-            if reference is not None:
-                values["kl"][i] = float((reference.exp() * (reference - logp)).sum(-1).clamp(min=0).double().mean())
+            for field, value in _item_values(_target_logits(lm, item), gold, reference).items():
+                values[field][i] = value
     return ProbeResult(probe, *(values[f] for f in METRIC_FIELDS))
