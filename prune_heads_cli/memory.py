@@ -41,23 +41,50 @@ def steady_heap() -> bool:
     return mallopt is not None and all(mallopt(code, value) == 1 for code, value in HEAP_POLICY.items())
 
 
-def release_free() -> None:
-    """Hand the heap's free pages back (``malloc_trim``, no garbage collection), after each pass of a stage: each
-    pass's blocks land at new places in the heap's free space and every page they touch stays resident after they
-    are freed, so without this the resident set climbs through a stage towards the heap's whole free space (after
-    the original model is released, all of its former place). Measured on SmolLM2-135M over the README's task
-    passes: peak above the floor +136 -> +92 MiB trimming once per subject; the export's task passes on the reloaded
-    model climbed +100 MiB within one long subject, hence every pass."""
+# A hand-back (malloc_trim) returns every free page of the heap, and the next pass faults them in again: done after
+# every decoder layer it cost the README command 212 s of its 788 CPU-seconds in the kernel (86 million minor page
+# faults). So a pass hands back only once the resident set has grown this far above where the last hand-back left it:
+# the resident set stays within this of its floor, and the pages are returned a few times per stage, not per layer.
+RELEASE_SLACK = 64 << 20
+
+
+class _Floor:
+    """The resident set right after the last hand-back."""
+
+    bytes = 0
+
+
+def resident_bytes() -> int:
+    """The process's resident set, from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_free(slack: int = RELEASE_SLACK) -> None:
+    """Hand the heap's free pages back (``malloc_trim``, no garbage collection) once the resident set has grown
+    ``slack`` bytes above where the last hand-back left it (0: now): each pass's blocks land at new places in the
+    heap's free space and every page they touch stays resident after they are freed, so without this the resident set
+    climbs through a stage towards the heap's whole free space (after the original model is released, all of its
+    former place). Measured on SmolLM2-135M over the README's task passes: peak above the floor +136 -> +92 MiB
+    trimming once per subject; the export's task passes on the reloaded model climbed +100 MiB within one long
+    subject, hence the check after every pass and layer."""
     trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:  # not glibc: the allocator returns memory its own way
-        trim(0)
+    if trim is None:  # not glibc: the allocator returns memory its own way
+        return
+    if slack and resident_bytes() < _Floor.bytes + slack:
+        return
+    trim(0)
+    _Floor.bytes = resident_bytes()
 
 
 def trim_heap() -> None:
     """Collect garbage and hand freed memory back to the system: glibc keeps freed blocks for reuse, so without
     ``malloc_trim`` what is allocated next (another model, a larger batch) would sit beside them in RSS."""
     gc.collect()
-    release_free()
+    release_free(slack=0)
 
 
 @contextlib.contextmanager

@@ -143,3 +143,29 @@ def test_free_heap_pages_are_handed_back_after_each_layer_only_inside_the_contex
         assert len(calls) == 2
     assert torch.equal(layers(x), want) and len(calls) == 2
     assert all(not m._forward_hooks for m in layers)
+
+
+def test_free_pages_go_back_only_once_the_resident_set_grew_past_the_slack(monkeypatch):
+    """A hand-back returns every free page and the next pass faults them in again (the kernel time of the README
+    command), so a pass hands back only once the resident set has grown RELEASE_SLACK above where the last one left
+    it; between stages it always does."""
+    import prune_heads_cli.memory as heap
+
+    trims, rss = [], [500 << 20]
+
+    class Libc:
+        @staticmethod
+        def malloc_trim(pad):
+            trims.append(pad)
+
+    monkeypatch.setattr(heap, "_libc", lambda: Libc)
+    monkeypatch.setattr(heap, "resident_bytes", lambda: rss[0])
+    monkeypatch.setattr(heap._Floor, "bytes", 0)
+    heap.trim_heap()
+    assert trims == [0] and heap._Floor.bytes == 500 << 20
+    rss[0] += heap.RELEASE_SLACK - 1
+    heap.release_free()
+    assert trims == [0]  # within the slack: the pages stay for the next pass
+    rss[0] += 1
+    heap.release_free()
+    assert trims == [0, 0] and heap._Floor.bytes == rss[0]
