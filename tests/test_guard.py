@@ -118,8 +118,11 @@ def test_each_length_is_judged_on_the_paired_change_with_its_interval():
     assert short.change == pytest.approx(25.0) and short.ci_low == pytest.approx(25 - 1.96 * 25)
     assert short.ci_high == pytest.approx(25 + 1.96 * 25) and short.ok  # the mean is within 30 pt
     assert long.change == pytest.approx(-100.0) and long.ok  # a gain is never a loss
-    confident = compare(original, pruned, tolerance=30.0, rule="confident")
-    assert not confident[0].ok and confident[1].ok  # the interval's upper end (74 pt) is not within 30
+    confident = compare(original, pruned, tolerance=20.0, rule="confident")
+    assert confident[0].ok and confident[1].ok  # 25 pt lost, but [-24, +74] does not say it is beyond 20
+    assert not compare(original, pruned, tolerance=20.0, rule="point")[0].ok  # the mean alone is
+    sure = _result(probe, match=[0, 0, 0, 0, 0, 0])
+    assert not compare(original, sure, tolerance=20.0, rule="confident")[0].ok  # every key lost: [100, 100]
     assert not compare(original, pruned, tolerance=5.0, rule="point")[0].ok
     assert "copy at 256 tokens: 100.0% -> 75.0%, +25 pt" in short.describe()
 
@@ -190,13 +193,15 @@ def test_the_guard_refuses_a_point_and_confirmation_steps_back(model_dir, tmp_pa
     assert "copy at 512 tokens" in refused[0]["refused"]["reason"]
     assert set(g["chosen"]["per_length"]) == {"passkey", "copy"}
     assert list(g["chosen"]["per_length"]["passkey"]) == ["512"]  # the tiny model's context caps 2048
-    assert set(g["original"]) == {"passkey", "copy"} and g["probes"][0]["prompts"] == {"512": 4}
+    sized = g["sizing"]["prompts"]  # sizing auto: the prompts that resolve each tolerance
+    assert set(g["original"]) == {"passkey", "copy"} and g["probes"][0]["prompts"] == {"512": sized["passkey"]}
     assert "long-context guard" in err and "refused: copy at 512 tokens" in err
     assert [r["probe"] for r in g["points"][0]["probes"]] == ["copy"]  # a refused point stops at its first failure
     meta = json.loads((tmp_path / "run" / "prune_heads.json").read_text())
     assert meta["long_context"]["chosen"] == g["chosen"]
     card = (tmp_path / "run" / "README.md").read_text()
-    assert "## Long context" in card and "| passkey | 512 | 4 |" in card and "| copy | 512 | 2 |" in card
+    assert "## Long context" in card and f"| passkey | 512 | {sized['passkey']} |" in card
+    assert f"| copy | 512 | {sized['copy']} |" in card
 
 
 def test_below_the_search_the_guard_steps_back_along_the_ranking(model_dir, tmp_path, capsys, monkeypatch):
@@ -316,3 +321,77 @@ def test_eval_runs_the_probes_unablated_and_ablated(model_dir, tmp_path, capsys)
     code, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu, "--out", tmp_path / "e2",
                             "--guard-texts", heads], capsys)
     assert code == 2 and "add --probes text" in err
+
+
+# -- resolution and sizing (search/guard_sizing.py) -----------------------------------------------------------------
+
+
+def test_a_binary_probe_resolves_no_finer_than_its_edge_allows():
+    """Losing 5 points of pass-key matches needs 5% of the keys to flip: sd >= 100 sqrt(0.05 x 0.95) = 21.8 pt, so
+    4 prompts resolve +/-21.4 pt and 73 are needed for +/-5, whatever a pilot that moved nothing showed."""
+    from prune_heads.search.guard_sizing import edge_sd, resolutions
+
+    probe = _probe("match")
+    base = _result(probe, match=[1, 1, 1, 1, 1, 1])
+    assert edge_sd(base.at_length(256), base.at_length(256), 5.0) == pytest.approx(100 * (0.05 * 0.95) ** 0.5)
+    rows = resolutions((base,), (base,), {"copy": 5.0})
+    short = rows[0]
+    assert (short.length, short.prompts) == (256, 4) and not short.resolves
+    assert short.half_width() == pytest.approx(1.96 * 21.794 / 2, rel=1e-3)
+    assert short.prompts_for(5.0) == 73 and short.at(73).resolves and not short.at(72).resolves
+    assert short.to_json()["prompts_to_resolve"] == 73 and "4 prompts resolve +/-21.4 pt" in short.describe()
+
+
+def test_a_pilot_that_moves_a_probe_scales_its_spread_to_the_tolerance():
+    from prune_heads.search.guard_sizing import edge_sd
+
+    probe = _probe("token_accuracy")
+    base = _result(probe, token_accuracy=[0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
+    pilot = _result(probe, token_accuracy=[0.7, 0.8, 0.5, 0.6, 0.9, 0.9])  # lost 20, 10, 40, 30 points: sd 12.9
+    sd = edge_sd(base.at_length(256), pilot.at_length(256), 5.0)
+    assert sd == pytest.approx(12.91, rel=1e-3)  # larger than 12.9 / 25 x 5 (the scaled sd): the observed one
+    text = _probe("kl")
+    kls = _result(text, kl=[0.1, 0.3, 0.2, 0.2, 0.1, 0.1])
+    assert edge_sd(kls.at_length(256), kls.at_length(256), 0.05) == pytest.approx(0.0816 / 0.2 * 0.05, rel=1e-2)
+
+
+def test_sizing_buys_the_prompts_each_tolerance_needs_within_the_time_cap():
+    from prune_heads.search.guard_sizing import ProbeResolution, Sizing, size
+
+    rows = [ProbeResolution("passkey", 512, 4, 21.79, 5.0, "pt"), ProbeResolution("passkey", 2048, 4, 21.79, 5.0, "pt"),
+            ProbeResolution("copy", 512, 2, 4.0, 5.0, "pt"), ProbeResolution("copy", 2048, 2, 8.0, 5.0, "pt"),
+            ProbeResolution("text", 2048, 3, 0.01, 0.05, "nat")]
+    current = {"passkey": 4, "copy": 2, "text": 3}
+    free = size(rows, current, seconds_per_token=0.0, max_seconds=30, max_prompts=256)
+    assert free.prompts == {"passkey": 73, "copy": 10} and free.capped_by is None  # copy: its 2048 row needs 10
+    assert free.wanted == free.prompts and "text" not in free.prompts  # the user's texts are as many as they gave
+    # 1 ms per token: text costs 3 x 2048 x 2 tokens = 12.3 s of the 30; the generated probes share the rest
+    capped = size(rows, current, seconds_per_token=1e-3, max_seconds=30, max_prompts=256)
+    # share (30 - 12.3) / 212.5 s of what they want: passkey 6 of 73, copy never below the pilot's 2
+    assert capped.capped_by == "max_seconds" and capped.prompts == {"passkey": 6, "copy": 2}
+    assert capped.predicted_seconds == pytest.approx(12.288 + 8 * 2.56)
+    few = size(rows, current, 0.0, max_seconds=30, max_prompts=16)
+    assert few.prompts == {"passkey": 16, "copy": 10} and few.capped_by == "max_prompts"
+    again = Sizing.from_tensors(["passkey", "copy"], capped.to_tensors())
+    assert again == capped  # what a resumed run reads back from the cache
+
+
+def test_an_unresolved_guard_warns_and_sizes_itself_through_the_main_command(model_dir, tmp_path, capsys):
+    """Under the default (sizing auto) the run predicts each probe's half-width, sizes passkey and copy up to resolve
+    their tolerances, and records it; with sizing fixed and too few prompts it warns, with the count that would."""
+    report, err = _run(model_dir, tmp_path / "auto", capsys)
+    g = report["guard"]
+    assert g["sizing"]["prompts"]["passkey"] > 4 and "long-context guard sized to resolve its tolerances" in err
+    rows = {r["probe"]: r for r in g["resolution"]}
+    assert g["probes"][0]["prompts"]["512"] == rows["passkey"]["prompts"] == g["sizing"]["prompts"]["passkey"]
+    assert all(r["predicted_half_width"] > 0 for r in g["resolution"])
+    assert "timings" in report and {"load", "scoring", "search", "guard", "export"} <= set(report["timings"]["stages"])
+    recipe = tmp_path / "fixed.yaml"
+    recipe.write_text("guard:\n  sizing: fixed\n")
+    report, err = _run(model_dir, tmp_path / "fixed", capsys, "--recipe", str(recipe))
+    g = report["guard"]
+    assert g["sizing"] is None and g["probes"][0]["prompts"] == {"512": 4}
+    passkey = next(r for r in g["resolution"] if r["probe"] == "passkey")
+    assert not passkey["resolves_tolerance"] and passkey["prompts_to_resolve"] == 73
+    assert "the long-context guard cannot resolve its tolerance for passkey at 512 tokens: 4 prompts" in err
+    assert "73 prompts would" in err

@@ -56,6 +56,18 @@ class Work:
             self._enc_digests[id(enc)] = tokens_digest(seqs)
         return self._enc_digests[id(enc)]
 
+    def recall(self, what: str, key: dict) -> dict | None:
+        """A decision the run made before (``remember``), as rank 0 reads it from the cache: a resumed run takes it
+        again instead of making it anew from reads the cache answered in no time."""
+        return self._get(what, {**self.model_key, "what": what, **key})
+
+    def remember(self, what: str, key: dict, value: dict) -> dict:
+        """Rank 0's ``value`` (every rank then acts on the same decision), cached for ``recall``."""
+        value = self.ranks.broadcast(value if self.ranks.root else None)
+        if self.ranks.root:
+            self.cache.put(what, {**self.model_key, "what": what, **key}, value)
+        return value
+
     def scores(self, seqs: list[list[int]]) -> ScoreTable:
         key = {**self.model_key, "what": "scores", "tokens": tokens_digest(seqs), "batch": self.batch_size}
         hit = self._get("scores", key)
@@ -67,7 +79,7 @@ class Work:
         return table
 
     @staticmethod
-    def _ablation_key(target) -> dict | None:
+    def ablation_key(target) -> dict | None:
         if target is None or (isinstance(target, HeadSet) and not target):
             return None
         if isinstance(target, PrunePlan):
@@ -78,7 +90,7 @@ class Work:
         return {"heads": target.to_json()}
 
     def _eval_key(self, enc, target, model_key=None):
-        ablation = self._ablation_key(target)
+        ablation = self.ablation_key(target)
         return ablation, {**(model_key or self.model_key), "what": "task", "task": enc.task,
                           "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.batch_size}
 
@@ -88,7 +100,7 @@ class Work:
 
     def text_kls(self, sequences: list[list[int]], target) -> torch.Tensor:
         """Next-token KL(unablated || ablated) of each held-out text, nats; cached like evaluations."""
-        ablation = self._ablation_key(target)
+        ablation = self.ablation_key(target)
         if ablation is None:
             return torch.zeros(len(sequences), dtype=torch.float64)
         key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
@@ -104,7 +116,7 @@ class Work:
         every item (probes are a few dozen prompts)."""
         key = {**self.model_key, "what": "probe", "probe": probe.name, "metric": probe.metric,
                "tokens": tokens_digest([list(it.ids) + [it.target, it.length] for it in probe.items]),
-               "ablation": self._ablation_key(target)}
+               "ablation": self.ablation_key(target)}
         hit = self._get("probe", key)
         if hit is None:
             result = probe_pass(self.lm, probe, target, self.progress, label)

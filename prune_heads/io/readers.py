@@ -193,6 +193,9 @@ class _Guard(_Strict):
     prompts: _per_device(dict[_Probe, PositiveInt]) = None
     tolerance: dict[_Probe, StrictStr | Annotated[Number, Field(ge=0)]] | None = None
     calibrate: StrictBool | None = None
+    sizing: Literal["auto", "fixed"] | None = None
+    max_seconds: _per_device(Annotated[Number, Field(gt=0)]) = None
+    max_prompts: Annotated[StrictInt, Field(ge=2, le=4096)] | None = None
 
 
 class RecipeSchema(_Strict):

@@ -88,6 +88,9 @@ class Settings:
     probe_prompts: tuple[tuple[str, int], ...] = (("passkey", 4), ("copy", 2), ("text", 16))  # per probe and length
     guard_tolerance: tuple[tuple[str, float], ...] = (("passkey", 5.0), ("copy", 5.0), ("text", 0.05))
     calibrate_probes: bool = False  # score on the probes' prompts too (beside the calibration sequences)
+    guard_sizing: str = "auto"  # auto: passkey/copy prompts sized to resolve their tolerance (guard_sizing.py) | fixed
+    guard_max_seconds: float = 30.0  # the cap on auto: the most one point's probe read may take (this device)
+    guard_max_prompts: int = 256  # and the most prompts per probe and length
 
     @property
     def metric(self) -> str:
@@ -140,7 +143,18 @@ def _guard_values(rec: Recipe, device_type: str) -> dict:
     return {"guard": tuple(block.get("probes", Settings.guard) or ()),
             "probe_lengths": tuple(sorted(set(lengths))), "probe_prompts": tuple(prompts.items()),
             "guard_tolerance": tuple((k, parse_tolerance(k, v)) for k, v in tolerance.items()),
-            "calibrate_probes": bool(block.get("calibrate", False))}
+            "calibrate_probes": bool(block.get("calibrate", False)),
+            "guard_sizing": block.get("sizing", Settings.guard_sizing),
+            "guard_max_seconds": float(_for_device(block.get("max_seconds"), device_type)
+                                       or Settings.guard_max_seconds),
+            "guard_max_prompts": int(block.get("max_prompts") or Settings.guard_max_prompts)}
+
+
+def _for_device(value, device_type: str):
+    """A recipe value that may be given per device (``{cpu: ..., gpu: ...}``)."""
+    if isinstance(value, dict):
+        return value.get("gpu" if device_type == "cuda" else "cpu")
+    return value
 
 
 def _check_guard(values: dict) -> None:

@@ -48,9 +48,16 @@ from prune_heads.plan.healing import HealConfig, Healer
 from prune_heads.plan.planner import Planner, planner_for
 from prune_heads.search.confirmation import ConfirmationQuestions, confirm
 from prune_heads.search.guard import Guard, GuardSetup
+from prune_heads.search.guard_sizing import GENERATED, Sizing, resolutions, seconds_per_token, size, unresolved_warning
 from prune_heads.search.prefixes import SearchOptions
 from prune_heads.search.resolution import Resolution, per_subject_for
-from prune_heads.search.selection import Selection, SelectionOptions, predict_resolution, select_heads, unit_ranking
+from prune_heads.search.selection import (
+    Selection,
+    SelectionOptions,
+    predict_resolution,
+    select_heads,
+    unit_ranking,
+)
 from prune_heads.search.units import UnitRanking
 from prune_heads.search.verifier import HeldOutText, Verifier, VerifierSetup
 
@@ -215,26 +222,66 @@ def select(run: Run, ranking: UnitRanking, scored: Scored, verifier: Verifier) -
     return select_heads(ranking, scored.table, verifier, selection_options(run.settings))
 
 
-def probes_for(run: Run, names: tuple[str, ...], seed: int | None = None,
-               shortest: bool = False) -> tuple[ProbeSet, ...]:
+def probes_for(run: Run, names: tuple[str, ...], seed: int | None = None, shortest: bool = False,
+               prompts: dict[str, int] | None = None) -> tuple[ProbeSet, ...]:
     """The long-context probes ``names`` at the recipe's lengths (``shortest``: the shortest only), fitted to the
-    model's context and `probe_max_length`."""
+    model's context and `probe_max_length`, with the recipe's prompts per length (or ``prompts``)."""
     s = run.settings
     context = getattr(run.lm.config.get_text_config(), "max_position_embeddings", None)
     lengths = probe_lengths(s.probe_lengths, context, s.probe_max_length)[: 1 if shortest else None]
-    options = ProbeOptions(names, lengths, s.probe_prompts, s.seed if seed is None else seed)
+    counts = tuple({**dict(s.probe_prompts), **(prompts or {})}.items())
+    options = ProbeOptions(names, lengths, counts, s.seed if seed is None else seed)
     return build_probes(run.lm, options, run.inputs.guard_texts, f"file {s.guard_texts}")
 
 
-def guard_for(run: Run) -> Guard | None:
-    """The long-context guard (None when `no_guard`), with the unablated model's probe results."""
+def guard_for(run: Run, pilot=None) -> Guard | None:
+    """The long-context guard (None when `no_guard`), with the unablated model's probe results; given a ``pilot``
+    ablation (the search's choice: the first point the guard judges, near the budget's edge), what its prompts
+    resolve, and with `sizing` auto its generated probes sized to resolve."""
     s = run.settings
     if not s.guard:
         return None
-    setup = GuardSetup(probes_for(run, s.guard), s.guard_tolerance, s.budget.rule)
-    guard = Guard.measured(run.work, setup)
+    guard = Guard.measured(run.work, GuardSetup(probes_for(run, s.guard), s.guard_tolerance, s.budget.rule))
+    if pilot is not None:
+        guard = _resolved(run, guard, pilot)
     for base in guard.baselines:
         say(f"long-context probe {base.probe.name} unablated: " + base.describe())
+    for row in guard.resolution:
+        if row.resolves:
+            say(f"long-context guard: {row.describe()}")
+        else:
+            warn(unresolved_warning(row))
+    return guard
+
+
+def _resolved(run: Run, guard: Guard, pilot) -> Guard:
+    """The guard with its resolution predicted from a pilot read, re-built at the sizing's prompt counts when
+    `sizing` is auto (the sizing is cached: a resumed run takes the same)."""
+    s, probes = run.settings, guard.setup.probes
+    rate = seconds_per_token(guard.seconds, probes)
+    rows = resolutions(guard.baselines, guard.read_all(pilot, "pilot"), guard.tolerances)
+    generated = sorted(p.name for p in probes if p.name in GENERATED)
+    if s.guard_sizing != "auto" or not generated:
+        guard.resolution = rows
+        return guard
+    current = {p.name: len(p.items) // len(p.lengths) for p in probes}
+    key = {"probes": [p.to_json() for p in probes], "tolerance": guard.tolerances, "pilot": run.work.ablation_key(
+        pilot), "max_seconds": s.guard_max_seconds, "max_prompts": s.guard_max_prompts}
+    hit = run.work.recall("guard_sizing", key)
+    if hit is None:
+        hit = run.work.remember("guard_sizing", key, size(rows, current, rate, s.guard_max_seconds,
+                                                          s.guard_max_prompts).to_tensors())
+    sizing = Sizing.from_tensors(generated, hit)
+    if any(sizing.prompts[p] != current[p] for p in generated):
+        spent = guard.seconds
+        setup = GuardSetup(probes_for(run, s.guard, prompts=sizing.prompts), s.guard_tolerance, s.budget.rule)
+        guard = Guard.measured(run.work, setup)
+        guard.seconds += spent
+        rows = [r.at(sizing.prompts.get(r.probe, r.prompts)) for r in rows]
+        counts = ", ".join(f"{n} {p} prompts per length" for p, n in sizing.prompts.items())
+        say(f"long-context guard sized to resolve its tolerances: {counts}"
+            + (f" (capped by {sizing.capped_by})" if sizing.capped_by else ""))
+    guard.resolution, guard.sizing = rows, sizing
     return guard
 
 

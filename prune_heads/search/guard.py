@@ -3,7 +3,9 @@ a stated tolerance of the unablated model, at every probed length.
 
 Per probe and length, each prompt is paired with itself unablated: the drop of its pass-key match or copy token
 accuracy (in points), or its next-token KL on the user's texts (in nats), with the mean and a 95% interval over the
-prompts. Under the run's decision rule, ``point`` judges the mean and ``confident`` the interval's upper end. A point
+prompts. Under the run's decision rule, ``point`` judges the mean, and ``confident`` refuses a point only when the
+interval says so (its lower end beyond the tolerance). What the prompts resolve is predicted before the guard judges,
+and by default the generated probes are sized to resolve their tolerances (guard_sizing.py). A point
 that fails is refused with the probe, the length and the numbers, like a failed confirmation, and the next passing
 point of the search is tried (confirmation.py walks them).
 """
@@ -18,6 +20,8 @@ from prune_heads.data.probes import ProbeSet
 from prune_heads.errors import UserError
 from prune_heads.eval.probes import ProbeResult
 from prune_heads.eval.work import Work
+from prune_heads.search.guard_sizing import ProbeResolution, Sizing
+from prune_heads.timings import stage
 
 UNITS = {"match": "pt", "token_accuracy": "pt", "kl": "nat"}
 DEFAULT_TOLERANCE = {"passkey": 5.0, "copy": 5.0, "text": 0.05}
@@ -88,7 +92,7 @@ def compare(original: ProbeResult, pruned: ProbeResult, tolerance: float, rule: 
         mean = float(change.mean())
         se = float(change.std()) / len(change) ** 0.5 if len(change) > 1 else 0.0
         low, high = mean - 1.96 * se, mean + 1.96 * se
-        ok = (high if rule == "confident" else mean) <= tolerance + 1e-9
+        ok = (low if rule == "confident" else mean) <= tolerance + 1e-9  # confident: refused only when sure
         pruned_mean = float(b.kl.mean()) if unit == "nat" else float(b.metric().mean())
         original_mean = 0.0 if unit == "nat" else float(a.metric().mean())
         rows.append(ProbeComparison(original.probe.name, n, len(change), original_mean, pruned_mean, mean, low, high,
@@ -114,11 +118,26 @@ class GuardVerdict:
 
 
 class Guard:
-    """The probes' unablated results, and each head set judged against them."""
+    """The probes' unablated results, and each head set judged against them; what the prompts resolve at each
+    tolerance's edge (``resolution``) and how they were sized (``sizing``), once a pilot has measured it."""
 
     def __init__(self, work: Work, setup: GuardSetup, baselines: tuple[ProbeResult, ...], seconds: float = 0.0):
         self.work, self.setup, self.baselines = work, setup, baselines
         self.seconds = seconds  # spent reading probes (what the guard costs the run; cached reads cost nothing)
+        self.resolution: list[ProbeResolution] = []
+        self.sizing: Sizing | None = None
+
+    @property
+    def tolerances(self) -> dict[str, float]:
+        return {p.name: self.setup.tolerance(p.name) for p in self.setup.probes}
+
+    def read_all(self, target, label: str) -> tuple[ProbeResult, ...]:
+        """Every probe with ``target`` ablated (a pilot: nothing is judged, no probe is skipped)."""
+        started = time.perf_counter()
+        with stage("guard"):
+            results = tuple(self.work.probe(p, target, f"{p.name}, {label}") for p in self.setup.probes)
+        self.seconds += time.perf_counter() - started
+        return results
 
     @classmethod
     def measured(cls, work: Work, setup: GuardSetup) -> "Guard":
@@ -131,6 +150,15 @@ class Guard:
         """The probes with ``target`` ablated, against the unablated model: the cheapest first, stopping at the first
         that fails (a refused point costs only what refuses it)."""
         started = time.perf_counter()
+        with stage("guard"):
+            verdict = self._read(target, label)
+        self.seconds += time.perf_counter() - started
+        say(f"  long-context guard, {label}: " + ("every probe within tolerance" if verdict.ok
+                                                   else f"refused: {verdict.reason}"),
+            fg="green" if verdict.ok else "yellow")
+        return verdict
+
+    def _read(self, target, label: str) -> "GuardVerdict":
         rows: list[ProbeComparison] = []
         order = sorted(zip(self.setup.probes, self.baselines), key=lambda pb: sum(len(it.ids) for it in pb[0].items))
         for probe, base in order:
@@ -138,19 +166,15 @@ class Guard:
             rows += compare(base, result, self.setup.tolerance(probe.name), self.setup.rule)
             if not all(r.ok for r in rows):
                 break
-        self.seconds += time.perf_counter() - started
-        verdict = GuardVerdict(tuple(rows))
-        say(f"  long-context guard, {label}: " + ("every probe within tolerance" if verdict.ok
-                                                   else f"refused: {verdict.reason}"),
-            fg="green" if verdict.ok else "yellow")
-        return verdict
+        return GuardVerdict(tuple(rows))
 
     def to_json(self) -> dict:
         """What the guard checks, and the unablated model's results per probe and length."""
-        return {"enabled": True, "rule": self.setup.rule,
-                "tolerance": {p.name: self.setup.tolerance(p.name) for p in self.setup.probes},
+        return {"enabled": True, "rule": self.setup.rule, "tolerance": self.tolerances,
                 "probes": [p.to_json() for p in self.setup.probes],
-                "original": {b.probe.name: b.summary() for b in self.baselines}}
+                "original": {b.probe.name: b.summary() for b in self.baselines},
+                "resolution": [r.to_json() for r in self.resolution],
+                "sizing": self.sizing.to_json() if self.sizing else None}
 
 
 def per_length(verdict: GuardVerdict | None) -> dict:

@@ -55,12 +55,17 @@ def unit_ranking(scores: ScoreTable, verifier: Verifier, options: SelectionOptio
     return UnitRanking(units, total)
 
 
+def pilot_heads(ranking: UnitRanking, grid: tuple[float, ...]) -> HeadSet:
+    """The search's first grid point: the pilot ablation the budget's resolution is predicted from."""
+    return ranking.heads(ranking.prefix_for_fraction(min(grid)))
+
+
 def predict_resolution(ranking: UnitRanking, verifier: Verifier, grid: tuple[float, ...]) -> Resolution | None:
     """Before the search: its first grid point, evaluated on every question as a pilot (cached, so the search reuses
     it), gives the half-width a point at the budget's edge will have (resolution.py). None with --heal-in-search."""
     if verifier.heal_in_search or not len(ranking):
         return None
-    heads = ranking.heads(ranking.prefix_for_fraction(min(grid)))
+    heads = pilot_heads(ranking, grid)
     pilot = verifier.evaluate_complete(heads, f"pilot: {len(heads)}/{ranking.total_heads} heads off")
     in_texts = verifier.budget.metric == "kl-text"
     n = len(verifier.kl_text.sequences) if in_texts else len(verifier.baseline.questions)

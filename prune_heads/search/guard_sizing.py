@@ -1,0 +1,167 @@
+"""The guard's resolution and its size: what its prompts can tell apart, said before it judges, and (``sizing auto``,
+the default) as many pass-key and copy prompts as resolve each tolerance, within a cap on the guard's time.
+
+A probe judges a point by the mean over its prompts of a paired change (points lost, or nats of KL), so its 95%
+half-width at ``n`` prompts is ``1.96 sd / sqrt(n)``, where ``sd`` is the per-prompt sd of the change of a point *at
+the tolerance's edge*. It is estimated as the budget's resolution is (resolution.py), from the unablated read and a
+pilot ablation (the search's choice, the first point the guard judges), never below what the edge itself implies:
+
+- ``match`` (passkey: a key is read back or not): losing ``t`` points needs at least a share ``b = t/100`` of the
+  prompts to flip, so ``sd >= 100 sqrt(b (1 - b))``; or the pilot's sd when larger;
+- ``token_accuracy`` (copy): the pilot's sd, its coefficient of variation times the tolerance when the pilot moved the
+  probe, and never below the unablated prompts' own spread;
+- ``kl`` (the user's texts): a scale quantity, the pilot's coefficient of variation times the tolerance.
+
+Pass-key and copy prompts are generated, so they are what buys resolution: sized ``auto``, each gets the prompts its
+worst length needs, within ``max_prompts`` and within ``max_seconds`` for one point's read (its cost predicted per token
+from the unablated read); the user's texts are as many as they gave, and an unresolved tolerance is said, with the
+count that would resolve it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from prune_heads.eval.probes import ProbeResult
+from prune_heads.search.resolution import coefficient_of_variation
+
+Z = 1.96
+GENERATED = ("passkey", "copy")  # probes whose prompts are made, not given: the ones sizing adds to
+
+
+@dataclass(frozen=True)
+class ProbeResolution:
+    """One probe at one length: the planned prompts and the half-width they resolve at the tolerance's edge."""
+
+    probe: str
+    length: int
+    prompts: int
+    edge_sd: float  # per-prompt sd of the change at the tolerance's edge (points, or nats)
+    tolerance: float
+    unit: str  # pt | nat
+
+    def half_width(self, n: int | None = None) -> float:
+        n = self.prompts if n is None else n
+        return Z * self.edge_sd / math.sqrt(n) if n > 0 else float("inf")
+
+    def prompts_for(self, width: float) -> int:
+        """The fewest prompts whose predicted half-width is at most ``width``."""
+        return max(2, math.ceil((Z * self.edge_sd / width) ** 2)) if width > 0 else 1 << 30
+
+    @property
+    def resolves(self) -> bool:
+        return self.half_width() <= self.tolerance + 1e-12
+
+    def at(self, prompts: int) -> "ProbeResolution":
+        return ProbeResolution(self.probe, self.length, prompts, self.edge_sd, self.tolerance, self.unit)
+
+    def describe(self) -> str:
+        return (f"{self.probe} at {self.length} tokens: {self.prompts} prompts resolve +/-{self.half_width():.3g} "
+                f"{self.unit} (tolerance {self.tolerance:g} {self.unit})")
+
+    def to_json(self) -> dict:
+        return {"probe": self.probe, "length": self.length, "prompts": self.prompts,
+                "predicted_half_width": round(self.half_width(), 6), "edge_sd": round(self.edge_sd, 6),
+                "tolerance": self.tolerance, "unit": self.unit, "resolves_tolerance": self.resolves,
+                "prompts_to_resolve": self.prompts_for(self.tolerance)}
+
+
+def edge_sd(base: ProbeResult, pilot: ProbeResult, tolerance: float) -> float:
+    """Per-prompt sd of a point at the tolerance's edge, at one length (see the module's docstring)."""
+    metric = base.probe.metric
+    if metric == "kl":
+        return coefficient_of_variation(pilot.kl.double()) * tolerance
+    change = (base.metric() - pilot.metric()).double() * 100.0
+    observed = float(change.std(unbiased=True)) if change.numel() > 1 else 0.0
+    if metric == "match":
+        b = min(max(tolerance, 1e-9) / 100.0, 0.5)
+        return max(observed, 100.0 * math.sqrt(b * (1 - b)))
+    spread = float((base.metric().double() * 100.0).std(unbiased=True)) if change.numel() > 1 else 0.0
+    moved = float(change.mean())
+    scaled = observed / moved * tolerance if moved > 0.5 else 0.0
+    return max(observed, scaled, spread)
+
+
+def resolutions(baselines: tuple[ProbeResult, ...], pilots: tuple[ProbeResult, ...],
+                tolerances: dict[str, float]) -> list[ProbeResolution]:
+    """Every probe at every length, at its current prompt count."""
+    rows = []
+    for base, pilot in zip(baselines, pilots):
+        name, unit = base.probe.name, "nat" if base.probe.metric == "kl" else "pt"
+        for n in base.probe.lengths:
+            a, b = base.at_length(n), pilot.at_length(n)
+            rows.append(ProbeResolution(name, n, len(a.probe.items), edge_sd(a, b, tolerances[name]),
+                                        tolerances[name], unit))
+    return rows
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How ``auto`` sized the generated probes: the prompts per probe, what it would have taken, what capped it."""
+
+    prompts: dict[str, int]
+    wanted: dict[str, int]
+    predicted_seconds: float  # one point's read at ``prompts``
+    capped_by: str | None  # max_seconds | max_prompts | None
+
+    def to_json(self) -> dict:
+        return {"prompts": self.prompts, "prompts_to_resolve": self.wanted,
+                "predicted_seconds_per_point": round(self.predicted_seconds, 2), "capped_by": self.capped_by}
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """For the run's cache: a resumed run re-reads its probes from the cache in no time, so it must take the
+        sizing it made, not make one from a read that cost nothing."""
+        names = sorted(self.prompts)
+        return {"prompts": torch.tensor([self.prompts[p] for p in names]),
+                "wanted": torch.tensor([self.wanted[p] for p in names]),
+                "seconds": torch.tensor([self.predicted_seconds], dtype=torch.float64),
+                "capped": torch.tensor([CAPS.index(self.capped_by)])}
+
+    @staticmethod
+    def from_tensors(names: list[str], t: dict[str, torch.Tensor]) -> "Sizing":
+        names = sorted(names)
+        return Sizing({p: int(n) for p, n in zip(names, t["prompts"].tolist())},
+                      {p: int(n) for p, n in zip(names, t["wanted"].tolist())}, float(t["seconds"][0]),
+                      CAPS[int(t["capped"][0])])
+
+
+CAPS = (None, "max_prompts", "max_seconds")
+
+
+def size(rows: list[ProbeResolution], current: dict[str, int], seconds_per_token: float, max_seconds: float,
+         max_prompts: int) -> Sizing:
+    """Prompts per generated probe (the same at every length): what its worst length needs, at least the current
+    count, at most ``max_prompts``, and scaled down together so one point's predicted read fits ``max_seconds``."""
+    tokens = {}  # tokens one prompt adds per probe (one at each length; a text prompt is read twice per point)
+    for r in rows:
+        tokens[r.probe] = tokens.get(r.probe, 0) + r.length * (2 if r.unit == "nat" else 1)
+    wanted = {p: max(current[p], *(r.prompts_for(r.tolerance) for r in rows if r.probe == p))
+              for p in tokens if p in GENERATED}
+    fixed = sum(current[p] * tokens[p] for p in tokens if p not in wanted) * seconds_per_token
+    prompts = {p: min(n, max_prompts) for p, n in wanted.items()}
+    capped = "max_prompts" if prompts != wanted else None
+    cost = fixed + sum(prompts[p] * tokens[p] for p in prompts) * seconds_per_token
+    if cost > max_seconds and prompts:
+        flexible = sum(prompts[p] * tokens[p] for p in prompts) * seconds_per_token
+        share = max(0.0, (max_seconds - fixed) / flexible)
+        prompts = {p: max(current[p], math.floor(n * share)) for p, n in prompts.items()}
+        capped = "max_seconds"
+        cost = fixed + sum(prompts[p] * tokens[p] for p in prompts) * seconds_per_token
+    return Sizing(prompts, wanted, cost, capped)
+
+
+def unresolved_warning(row: ProbeResolution) -> str:
+    """The one line a tolerance the guard cannot resolve gets."""
+    more = ("raise the recipe's guard max_seconds or max_prompts" if row.probe in GENERATED
+            else "give more --guard-texts documents of this length")
+    return (f"the long-context guard cannot resolve its tolerance for {row.describe()}; "
+            f"{row.prompts_for(row.tolerance)} prompts would ({more}, or widen the tolerance): a point's verdict "
+            "there turns on which prompts were drawn")
+
+
+def seconds_per_token(seconds: float, probes) -> float:
+    """What reading one token of the probes costs, from an unablated read of all of them that took ``seconds``."""
+    tokens = sum(len(it.ids) for p in probes for it in p.items)
+    return seconds / tokens if tokens else 0.0
