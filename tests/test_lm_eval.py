@@ -246,3 +246,62 @@ def test_study_and_export_read_an_lm_eval_task(tmp_path, model_dir, capsys):
     assert code == 0, err
     meta = json.loads((tmp_path / "x" / "prune_heads.json").read_text())
     assert meta["task"] == "lm-eval:ph_mc" and meta["task_eval"]["n"] == 8
+
+
+# -- the built-in 0-shot tasks equal lm-eval's own definitions on the same rows --------------------------------------
+
+ROWS = {
+    "arc_easy": [{"id": f"q{i}", "question": q, "choices": {"text": c, "label": list("ABCD")[:len(c)]},
+                  "answerKey": "ABCD"[g]} for i, (q, c, g) in enumerate([
+                      ("Which gas do plants take in?", ["oxygen", "carbon dioxide", "helium", "neon"], 1),
+                      ("What melts ice fastest?", ["salt", "sand", "sawdust"], 0),
+                      ("Which is a mammal?", ["shark", "trout", "whale", "squid"], 2),
+                      ("What makes a shadow?", ["light blocked by an object", "sound", "wind", "heat"], 0)])],
+    "piqa": [{"goal": g, "sol1": a, "sol2": b, "label": lab} for g, a, b, lab in [
+        ("To open a jar,", "twist the lid", "push the lid down hard", 0),
+        ("To dry wet shoes,", "put them in the fridge", "stuff them with newspaper", 1),
+        ("To keep bread fresh,", "store it in a sealed bag", "leave it in the sun", 0)]],
+    "hellaswag": [{"ind": i, "activity_label": a, "ctx_a": ca, "ctx_b": cb, "ctx": ca + " " + cb, "endings": e,
+                   "label": str(lab), "source_id": "x", "split": "val", "split_type": "indomain"}
+                  for i, (a, ca, cb, e, lab) in enumerate([
+                      ("Baking cookies", "A woman mixes flour in a bowl.", "she",
+                       ["pours the dough onto a tray.", "jumps into a pool [title]", "drives away.", "sings."], 0),
+                      ("Washing a car", "A man sprays water on a red car.", "he",
+                       ["eats a sandwich.", "scrubs the hood with a sponge.", "reads a  book.", "sleeps."], 1)])],
+    "winogrande": [{"sentence": s, "option1": a, "option2": b, "answer": ans} for s, a, b, ans in [
+        ("The trophy does not fit in the suitcase because the _ is too big.", "trophy", "suitcase", "1"),
+        ("Anna gave Maria a gift because _ was kind to her.", "Anna", "Maria", "2"),
+        ("The ball broke the window because the _ was fragile.", "ball", "window", "2")]],
+}
+STOCK_YAML = {"arc_easy": "arc/arc_easy.yaml", "piqa": "piqa/piqa.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
+              "winogrande": "winogrande/default.yaml"}
+
+
+@pytest.mark.parametrize("task", list(ROWS))
+def test_a_builtin_task_equals_stock_lm_eval_on_the_same_rows(task, lm, tmp_path):
+    """The hand-written 0-shot ARC, PIQA, HellaSwag and WinoGrande formats against lm-eval's own task YAMLs
+    (included as they ship, pointed at the same rows in a local file) run by stock lm-eval's HFLM: every choice's
+    log-likelihood and every prediction equal."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from prune_heads.data.tasks import load_task
+
+    rows = tmp_path / f"{task}.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS[task]))
+    stock_yaml = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", STOCK_YAML[task])
+    splits = "".join(f"    {split}: {rows}\n" for split in ("train", "validation", "test"))
+    (tmp_path / f"local_{task}.yaml").write_text(
+        f"include: {stock_yaml}\ntask: local_{task}\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n{splits}")
+    data = load_task(task, str(rows))
+    ours = evaluate(lm, encode_task(lm, data), None, 4, progress=False)
+    stock = _stock(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=4),
+                   load_tasks(LmEvalSpec(f"lm-eval:local_{task}", str(tmp_path))), None)[f"local_{task}"]
+    assert [q.index for q in ours.questions] == [s["doc_id"] for s in stock] == list(range(len(ROWS[task])))
+    for row, s in zip(ours.loglik, stock):  # documents may have different numbers of choices (ARC: 3 to 5)
+        theirs = torch.tensor([r[0] for r in s["filtered_resps"]], dtype=torch.float64)
+        assert torch.allclose(row[:len(theirs)], theirs, atol=2e-4), (row, theirs)
+        assert torch.isinf(row[len(theirs):]).all()
+    metric = "acc_norm" if data.questions[0].norm_lengths is not None else "acc"
+    assert ours.correct.tolist() == [s[metric] for s in stock]
