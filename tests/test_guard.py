@@ -342,14 +342,18 @@ def test_a_binary_probe_resolves_no_finer_than_its_edge_allows():
     assert short.to_json()["prompts_to_resolve"] == 73 and "4 prompts resolve +/-21.4 pt" in short.describe()
 
 
-def test_a_pilot_that_moves_a_probe_scales_its_spread_to_the_tolerance():
+def test_a_share_per_prompt_resolves_no_finer_than_a_concentrated_loss_allows():
+    """Copy prompts score a share of their repeat: a 5-point loss concentrated in the prompts that lose everything
+    (a = 0.9: 5.6% of them) gives sd 90 sqrt(0.056 x 0.944) = 20.6 pt, above what a pilot's few prompts showed."""
     from prune_heads.search.guard_sizing import edge_sd
 
     probe = _probe("token_accuracy")
     base = _result(probe, token_accuracy=[0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
     pilot = _result(probe, token_accuracy=[0.7, 0.8, 0.5, 0.6, 0.9, 0.9])  # lost 20, 10, 40, 30 points: sd 12.9
-    sd = edge_sd(base.at_length(256), pilot.at_length(256), 5.0)
-    assert sd == pytest.approx(12.91, rel=1e-3)  # larger than 12.9 / 25 x 5 (the scaled sd): the observed one
+    b = 5 / 90
+    assert edge_sd(base.at_length(256), pilot.at_length(256), 5.0) == pytest.approx(90 * (b * (1 - b)) ** 0.5)
+    wild = _result(probe, token_accuracy=[0.0, 0.9, 0.0, 0.9, 0.9, 0.9])  # lost 90, 0, 90, 0: sd 52
+    assert edge_sd(base.at_length(256), wild.at_length(256), 5.0) == pytest.approx(51.96, rel=1e-3)
     text = _probe("kl")
     kls = _result(text, kl=[0.1, 0.3, 0.2, 0.2, 0.1, 0.1])
     assert edge_sd(kls.at_length(256), kls.at_length(256), 0.05) == pytest.approx(0.0816 / 0.2 * 0.05, rel=1e-2)

@@ -6,10 +6,11 @@ half-width at ``n`` prompts is ``1.96 sd / sqrt(n)``, where ``sd`` is the per-pr
 the tolerance's edge*. It is estimated as the budget's resolution is (resolution.py), from the unablated read and a
 pilot ablation (the search's choice, the first point the guard judges), never below what the edge itself implies:
 
-- ``match`` (passkey: a key is read back or not): losing ``t`` points needs at least a share ``b = t/100`` of the
-  prompts to flip, so ``sd >= 100 sqrt(b (1 - b))``; or the pilot's sd when larger;
-- ``token_accuracy`` (copy): the pilot's sd, its coefficient of variation times the tolerance when the pilot moved the
-  probe, and never below the unablated prompts' own spread;
+- ``match`` (passkey: a key is read back or not) and ``token_accuracy`` (copy: a share of the repeat): a prompt
+  loses at most what it scored (``a``, the unablated mean), so a loss of ``t`` points concentrated in a share
+  ``b = t / (100 a)`` of the prompts gives ``sd = 100 a sqrt(b (1 - b))`` (for a pass key, whose prompts flip or not,
+  this is the sd itself); the pilot's sd when larger. A pilot of a few prompts cannot be trusted to show the spread
+  (on the embedded model, 2 copy prompts of the 9-head point showed +/-2.7 where 5 showed +/-13);
 - ``kl`` (the user's texts): a scale quantity, the pilot's coefficient of variation times the tolerance.
 
 Pass-key and copy prompts are generated, so they are what buys resolution: sized ``auto``, each gets the prompts its
@@ -70,18 +71,15 @@ class ProbeResolution:
 
 def edge_sd(base: ProbeResult, pilot: ProbeResult, tolerance: float) -> float:
     """Per-prompt sd of a point at the tolerance's edge, at one length (see the module's docstring)."""
-    metric = base.probe.metric
-    if metric == "kl":
+    if base.probe.metric == "kl":
         return coefficient_of_variation(pilot.kl.double()) * tolerance
     change = (base.metric() - pilot.metric()).double() * 100.0
     observed = float(change.std(unbiased=True)) if change.numel() > 1 else 0.0
-    if metric == "match":
-        b = min(max(tolerance, 1e-9) / 100.0, 0.5)
-        return max(observed, 100.0 * math.sqrt(b * (1 - b)))
-    spread = float((base.metric().double() * 100.0).std(unbiased=True)) if change.numel() > 1 else 0.0
-    moved = float(change.mean())
-    scaled = observed / moved * tolerance if moved > 0.5 else 0.0
-    return max(observed, scaled, spread)
+    # A prompt can lose at most what it scored: losing ``tolerance`` points on average as a share b of the prompts
+    # losing everything gives sd 100 a sqrt(b (1 - b)) (a: the unablated mean; exact for a pass key's 0/1).
+    a = max(float(base.metric().double().mean()), 1e-9)
+    b = min(max(tolerance, 1e-9) / (100.0 * a), 0.5)
+    return max(observed, 100.0 * a * math.sqrt(b * (1 - b)))
 
 
 def resolutions(baselines: tuple[ProbeResult, ...], pilots: tuple[ProbeResult, ...],
