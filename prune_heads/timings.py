@@ -1,4 +1,5 @@
-"""Where a run's time goes: named stages on one clock per run (``report.json["timings"]``).
+"""Where a run's time goes: named stages on one clock per run (``report.json["timings"]``), and which stage raised the
+process's peak resident set (``peak_rss_mb``: each stage that ended with a new peak, and that peak).
 
 A stage entered inside another pauses the outer one, so each second is counted once, in the innermost stage running:
 the guard's probes read during the confirmation walk count as ``guard``, the reload check inside the export as
@@ -17,6 +18,7 @@ class StageClock:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.peak_rss: dict[str, int] = {}  # stage -> the process's peak resident set when it last ended, bytes
         self._running: list[str] = []
         self._since = time.perf_counter()
         self.started = self._since
@@ -36,6 +38,9 @@ class StageClock:
         finally:
             self._charge(time.perf_counter())
             self._running.pop()
+            peak = peak_resident_bytes()
+            if peak and peak > max(self.peak_rss.values(), default=0):
+                self.peak_rss[name] = peak  # this stage raised the process's peak
 
     @property
     def total(self) -> float:
@@ -48,12 +53,25 @@ class StageClock:
         total = self.total
         staged = sum(self.seconds.values())
         return {"stages": {k: round(v, 2) for k, v in self.seconds.items() if v >= 0.01},
-                "other": round(max(total - staged, 0.0), 2), "total": round(total, 2)}
+                "other": round(max(total - staged, 0.0), 2), "total": round(total, 2),
+                "peak_rss_mb": {k: round(v / 2**20, 1) for k, v in self.peak_rss.items()}}
 
     def describe(self, top: int = 4) -> str:
         """``5 min 12 s (search 140 s, export 61 s, ...)``: the total and the dearest stages."""
         dearest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:top]
         return f"{duration(self.total)} ({', '.join(f'{k} {duration(v)}' for k, v in dearest)})"
+
+
+def peak_resident_bytes() -> int:
+    """The process's peak resident set so far (Linux's VmHWM; 0 where /proc has none)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def duration(seconds: float) -> str:

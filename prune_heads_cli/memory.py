@@ -15,11 +15,15 @@ from prune_heads.memory import MemoryPolicy
 # glibc's malloc serves a block from its heap unless it is at least the mmap threshold, and it raises that threshold
 # to the largest block freed so far (up to 32 MiB): after the first pass every activation of a forward pass comes
 # from the heap, where the small tensors a pass keeps (statistics, cache entries) split the freed activation blocks
-# and the heap grows by about one activation per layer. Fixed, blocks of 1 MiB and more are mapped and unmapped on
-# their own; the trim threshold keeps the heap's top for reuse instead of returning it after every pass. Measured on
-# SmolLM2-135M (bf16) scoring: peak above the floor +136/+176 MiB -> +83/+94 MiB, at the same speed (a 256 KiB
-# threshold: +53 MiB but 30-70% slower). Codes from glibc's malloc.h.
-HEAP_POLICY = {-3: 1 << 20, -1: 64 << 20}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+# and the heap grows by about one activation per layer. Fixed, blocks of the threshold and more are mapped and
+# unmapped on their own; the trim threshold keeps the heap's top for reuse instead of returning it after every pass.
+# Each mapped block is faulted in page by page every time it is allocated, so the threshold trades the kernel's time
+# for resident memory. Measured on SmolLM2-135M (bf16) scoring at 1 MiB: peak above the floor +136/+176 MiB ->
+# +83/+94 MiB, at the same speed (a 256 KiB threshold: +53 MiB but 30-70% slower); on the README command (2-core
+# Intel Xeon, 2026-12-06) 1 MiB spent 73 s of its 597 CPU-seconds in the kernel (32.5 million minor page faults,
+# 5 min 14 s, peak RSS 1.10 GB) and 16 MiB 21 s of 555 (7.3 million, 4 min 52 s, 1.13 GB). Codes from glibc's
+# malloc.h.
+HEAP_POLICY = {-3: 16 << 20, -1: 64 << 20}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 USER_HEAP_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
 

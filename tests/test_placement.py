@@ -112,7 +112,7 @@ def test_weights_are_read_in_one_step_after_the_tokenizer_and_the_modelling_code
 
 
 def test_the_heap_policy_is_set_unless_the_user_set_mallocs_thresholds(monkeypatch):
-    """glibc's mmap threshold fixed at 1 MiB (and the trim threshold at 64 MiB) for the CLI's process; a threshold
+    """glibc's mmap threshold fixed at 16 MiB (and the trim threshold at 64 MiB) for the CLI's process; a threshold
     the user set in the environment wins (glibc read it at start), and trimming is always safe to call."""
     import ctypes.util
 
