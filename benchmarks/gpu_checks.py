@@ -9,7 +9,9 @@
    reload there with logits equal to the ablated original's and cached greedy generation equal to it.
 3. bf16 MMLU predictions agree with float32 on the embedded model (the recipe's 114 questions, on the device).
 4. The benchmarks, with their own RESULT lines: MMLU speed against lm-eval is left out (it needs lm-eval installed);
-   scoring overhead, pruned speed, the pipeline (the README command) and memory run on the device.
+   the GPU figure on Llama-3.1-8B's shape (gpu_throughput.py: one verification point over full-MMLU token counts,
+   the scoring pass and the export, tokens/s beside the device's bf16 peak), scoring overhead, pruned speed, the
+   pipeline (the README command) and memory run on the device.
 
 ``--device cpu --quick`` runs the same code on the CPU with fewer inputs (a smoke test of the script itself).
 """
@@ -124,7 +126,8 @@ def bf16_agrees_with_float32(device: torch.device, quick: bool) -> float:
 
 def run_benchmarks(device: str) -> None:
     here = Path(__file__).resolve().parent
-    for script, args in (("bench_scoring_overhead.py", ["--device", device]),
+    for script, args in (("gpu_throughput.py", ["--device", device]),
+                         ("bench_scoring_overhead.py", ["--device", device]),
                          ("bench_pruned_speed.py", ["--device", device]),
                          ("bench_pipeline.py", ["--device", device]),
                          ("bench_memory.py", ["--skip-main"])):
