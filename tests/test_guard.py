@@ -380,16 +380,24 @@ def test_sizing_buys_the_prompts_each_tolerance_needs_within_the_time_cap():
     assert again == capped  # what a resumed run reads back from the cache
 
 
-def test_an_unresolved_guard_warns_and_sizes_itself_through_the_main_command(model_dir, tmp_path, capsys):
+def test_an_unresolved_guard_warns_and_sizes_itself_through_the_main_command(model_dir, tmp_path, capsys,
+                                                                              monkeypatch):
     """Under the default (sizing auto) the run predicts each probe's half-width, sizes passkey and copy up to resolve
-    their tolerances, and records it; with sizing fixed and too few prompts it warns, with the count that would."""
+    their tolerances, and records it; with sizing fixed and too few prompts it warns, with the count that would. (The
+    tiny random model retrieves nothing, so it can lose nothing: its edge sd is that of a model that retrieves every
+    key, 21.8 points at a 5-point tolerance.)"""
+    import prune_heads.search.guard_sizing as sizing
+
+    monkeypatch.setattr(sizing, "edge_sd", lambda base, pilot, tolerance: 100 * (0.05 * 0.95) ** 0.5)
     report, err = _run(model_dir, tmp_path / "auto", capsys)
     g = report["guard"]
     assert g["sizing"]["prompts"]["passkey"] > 4 and "long-context guard sized to resolve its tolerances" in err
+    assert g["sizing"]["prompts_to_resolve"] == {"copy": 73, "passkey": 73}
     rows = {r["probe"]: r for r in g["resolution"]}
     assert g["probes"][0]["prompts"]["512"] == rows["passkey"]["prompts"] == g["sizing"]["prompts"]["passkey"]
     assert all(r["predicted_half_width"] > 0 for r in g["resolution"])
-    assert "timings" in report and {"load", "scoring", "search", "guard", "export"} <= set(report["timings"]["stages"])
+    assert {"load", "scoring", "search", "guard", "export"} <= set(report["timings"]["stages"])
+    assert report["timings"]["total"] >= sum(report["timings"]["stages"].values()) - 0.1 and "done in" in err
     recipe = tmp_path / "fixed.yaml"
     recipe.write_text("guard:\n  sizing: fixed\n")
     report, err = _run(model_dir, tmp_path / "fixed", capsys, "--recipe", str(recipe))
