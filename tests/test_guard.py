@@ -366,15 +366,15 @@ def test_sizing_buys_the_prompts_each_tolerance_needs_within_the_time_cap():
             ProbeResolution("copy", 512, 2, 4.0, 5.0, "pt"), ProbeResolution("copy", 2048, 2, 8.0, 5.0, "pt"),
             ProbeResolution("text", 2048, 3, 0.01, 0.05, "nat")]
     current = {"passkey": 4, "copy": 2, "text": 3}
-    free = size(rows, current, seconds_per_token=0.0, max_seconds=30, max_prompts=256)
+    free = size(rows, current, max_tokens=1 << 30, max_prompts=256)
     assert free.prompts == {"passkey": 73, "copy": 10} and free.capped_by is None  # copy: its 2048 row needs 10
     assert free.wanted == free.prompts and "text" not in free.prompts  # the user's texts are as many as they gave
-    # 1 ms per token: text costs 3 x 2048 x 2 tokens = 12.3 s of the 30; the generated probes share the rest
-    capped = size(rows, current, seconds_per_token=1e-3, max_seconds=30, max_prompts=256)
-    # share (30 - 12.3) / 212.5 s of what they want: passkey 6 of 73, copy never below the pilot's 2
-    assert capped.capped_by == "max_seconds" and capped.prompts == {"passkey": 6, "copy": 2}
-    assert capped.predicted_seconds == pytest.approx(12.288 + 8 * 2.56)
-    few = size(rows, current, 0.0, max_seconds=30, max_prompts=16)
+    # text costs 3 x 2048 x 2 = 12,288 tokens of the 30,000; the generated probes share the rest
+    capped = size(rows, current, max_tokens=30_000, max_prompts=256)
+    # share (30,000 - 12,288) / 212,480 tokens of what they want: passkey 6 of 73, copy never below the pilot's 2
+    assert capped.capped_by == "max_tokens" and capped.prompts == {"passkey": 6, "copy": 2}
+    assert capped.tokens_per_point == 12_288 + 8 * 2_560
+    few = size(rows, current, 1 << 30, max_prompts=16)
     assert few.prompts == {"passkey": 16, "copy": 10} and few.capped_by == "max_prompts"
     again = Sizing.from_tensors(["passkey", "copy"], capped.to_tensors())
     assert again == capped  # what a resumed run reads back from the cache

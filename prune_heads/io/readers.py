@@ -194,7 +194,7 @@ class _Guard(_Strict):
     tolerance: dict[_Probe, StrictStr | Annotated[Number, Field(ge=0)]] | None = None
     calibrate: StrictBool | None = None
     sizing: Literal["auto", "fixed"] | None = None
-    max_seconds: _per_device(Annotated[Number, Field(gt=0)]) = None
+    max_tokens: _per_device(Annotated[StrictInt, Field(ge=64)]) = None
     max_prompts: Annotated[StrictInt, Field(ge=2, le=4096)] | None = None
 
 

@@ -89,7 +89,7 @@ class Settings:
     guard_tolerance: tuple[tuple[str, float], ...] = (("passkey", 5.0), ("copy", 5.0), ("text", 0.05))
     calibrate_probes: bool = False  # score on the probes' prompts too (beside the calibration sequences)
     guard_sizing: str = "auto"  # auto: passkey/copy prompts sized to resolve their tolerance (guard_sizing.py) | fixed
-    guard_max_seconds: float = 30.0  # the cap on auto: the most one point's probe read may take (this device)
+    guard_max_tokens: int = 50_000  # the cap on auto: the most tokens one point's probe read may take (this device)
     guard_max_prompts: int = 256  # and the most prompts per probe and length
 
     @property
@@ -145,8 +145,7 @@ def _guard_values(rec: Recipe, device_type: str) -> dict:
             "guard_tolerance": tuple((k, parse_tolerance(k, v)) for k, v in tolerance.items()),
             "calibrate_probes": bool(block.get("calibrate", False)),
             "guard_sizing": block.get("sizing", Settings.guard_sizing),
-            "guard_max_seconds": float(_for_device(block.get("max_seconds"), device_type)
-                                       or Settings.guard_max_seconds),
+            "guard_max_tokens": int(_for_device(block.get("max_tokens"), device_type) or Settings.guard_max_tokens),
             "guard_max_prompts": int(block.get("max_prompts") or Settings.guard_max_prompts)}
 
 

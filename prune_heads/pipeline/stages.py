@@ -48,7 +48,7 @@ from prune_heads.plan.healing import HealConfig, Healer
 from prune_heads.plan.planner import Planner, planner_for
 from prune_heads.search.confirmation import ConfirmationQuestions, confirm
 from prune_heads.search.guard import Guard, GuardSetup
-from prune_heads.search.guard_sizing import GENERATED, Sizing, resolutions, seconds_per_token, size, unresolved_warning
+from prune_heads.search.guard_sizing import GENERATED, Sizing, resolutions, size, unresolved_warning
 from prune_heads.search.prefixes import SearchOptions
 from prune_heads.search.resolution import Resolution, per_subject_for
 from prune_heads.search.selection import (
@@ -258,7 +258,6 @@ def _resolved(run: Run, guard: Guard, pilot) -> Guard:
     """The guard with its resolution predicted from a pilot read, re-built at the sizing's prompt counts when
     `sizing` is auto (the sizing is cached: a resumed run takes the same)."""
     s, probes = run.settings, guard.setup.probes
-    rate = seconds_per_token(guard.seconds, probes)
     rows = resolutions(guard.baselines, guard.read_all(pilot, "pilot"), guard.tolerances)
     generated = sorted(p.name for p in probes if p.name in GENERATED)
     if s.guard_sizing != "auto" or not generated:
@@ -266,10 +265,10 @@ def _resolved(run: Run, guard: Guard, pilot) -> Guard:
         return guard
     current = {p.name: len(p.items) // len(p.lengths) for p in probes}
     key = {"probes": [p.to_json() for p in probes], "tolerance": guard.tolerances, "pilot": run.work.ablation_key(
-        pilot), "max_seconds": s.guard_max_seconds, "max_prompts": s.guard_max_prompts}
+        pilot), "max_tokens": s.guard_max_tokens, "max_prompts": s.guard_max_prompts}
     hit = run.work.recall("guard_sizing", key)
     if hit is None:
-        hit = run.work.remember("guard_sizing", key, size(rows, current, rate, s.guard_max_seconds,
+        hit = run.work.remember("guard_sizing", key, size(rows, current, s.guard_max_tokens,
                                                           s.guard_max_prompts).to_tensors())
     sizing = Sizing.from_tensors(generated, hit)
     if any(sizing.prompts[p] != current[p] for p in generated):

@@ -14,8 +14,9 @@ pilot ablation (the search's choice, the first point the guard judges), never be
 - ``kl`` (the user's texts): a scale quantity, the pilot's coefficient of variation times the tolerance.
 
 Pass-key and copy prompts are generated, so they are what buys resolution: sized ``auto``, each gets the prompts its
-worst length needs, within ``max_prompts`` and within ``max_seconds`` for one point's read (its cost predicted per token
-from the unablated read); the user's texts are as many as they gave, and an unresolved tolerance is said, with the
+worst length needs, within ``max_prompts`` and within ``max_tokens`` read per point (the cap on the guard's time,
+in tokens so that two runs, or two ranks, of the same command size alike; a timed cap made torchrun's ranks and a
+single process disagree); the user's texts are as many as they gave, and an unresolved tolerance is said, with the
 count that would resolve it.
 """
 from __future__ import annotations
@@ -101,12 +102,12 @@ class Sizing:
 
     prompts: dict[str, int]
     wanted: dict[str, int]
-    predicted_seconds: float  # one point's read at ``prompts``
-    capped_by: str | None  # max_seconds | max_prompts | None
+    tokens_per_point: int  # what one point's read costs at ``prompts`` (tokens read; a text is read twice)
+    capped_by: str | None  # max_tokens | max_prompts | None
 
     def to_json(self) -> dict:
         return {"prompts": self.prompts, "prompts_to_resolve": self.wanted,
-                "predicted_seconds_per_point": round(self.predicted_seconds, 2), "capped_by": self.capped_by}
+                "tokens_per_point": self.tokens_per_point, "capped_by": self.capped_by}
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """For the run's cache: a resumed run re-reads its probes from the cache in no time, so it must take the
@@ -114,52 +115,42 @@ class Sizing:
         names = sorted(self.prompts)
         return {"prompts": torch.tensor([self.prompts[p] for p in names]),
                 "wanted": torch.tensor([self.wanted[p] for p in names]),
-                "seconds": torch.tensor([self.predicted_seconds], dtype=torch.float64),
+                "tokens": torch.tensor([self.tokens_per_point]),
                 "capped": torch.tensor([CAPS.index(self.capped_by)])}
 
     @staticmethod
     def from_tensors(names: list[str], t: dict[str, torch.Tensor]) -> "Sizing":
         names = sorted(names)
         return Sizing({p: int(n) for p, n in zip(names, t["prompts"].tolist())},
-                      {p: int(n) for p, n in zip(names, t["wanted"].tolist())}, float(t["seconds"][0]),
+                      {p: int(n) for p, n in zip(names, t["wanted"].tolist())}, int(t["tokens"][0]),
                       CAPS[int(t["capped"][0])])
 
 
-CAPS = (None, "max_prompts", "max_seconds")
+CAPS = (None, "max_prompts", "max_tokens")
 
 
-def size(rows: list[ProbeResolution], current: dict[str, int], seconds_per_token: float, max_seconds: float,
-         max_prompts: int) -> Sizing:
+def size(rows: list[ProbeResolution], current: dict[str, int], max_tokens: int, max_prompts: int) -> Sizing:
     """Prompts per generated probe (the same at every length): what its worst length needs, at least the current
-    count, at most ``max_prompts``, and scaled down together so one point's predicted read fits ``max_seconds``."""
+    count, at most ``max_prompts``, and scaled down together so one point's read fits ``max_tokens``."""
     tokens = {}  # tokens one prompt adds per probe (one at each length; a text prompt is read twice per point)
     for r in rows:
         tokens[r.probe] = tokens.get(r.probe, 0) + r.length * (2 if r.unit == "nat" else 1)
     wanted = {p: max(current[p], *(r.prompts_for(r.tolerance) for r in rows if r.probe == p))
               for p in tokens if p in GENERATED}
-    fixed = sum(current[p] * tokens[p] for p in tokens if p not in wanted) * seconds_per_token
+    fixed = sum(current[p] * tokens[p] for p in tokens if p not in wanted)
     prompts = {p: min(n, max_prompts) for p, n in wanted.items()}
     capped = "max_prompts" if prompts != wanted else None
-    cost = fixed + sum(prompts[p] * tokens[p] for p in prompts) * seconds_per_token
-    if cost > max_seconds and prompts:
-        flexible = sum(prompts[p] * tokens[p] for p in prompts) * seconds_per_token
-        share = max(0.0, (max_seconds - fixed) / flexible)
+    if prompts and fixed + sum(prompts[p] * tokens[p] for p in prompts) > max_tokens:
+        share = max(0.0, (max_tokens - fixed) / sum(prompts[p] * tokens[p] for p in prompts))
         prompts = {p: max(current[p], math.floor(n * share)) for p, n in prompts.items()}
-        capped = "max_seconds"
-        cost = fixed + sum(prompts[p] * tokens[p] for p in prompts) * seconds_per_token
-    return Sizing(prompts, wanted, cost, capped)
+        capped = "max_tokens"
+    return Sizing(prompts, wanted, fixed + sum(prompts[p] * tokens[p] for p in prompts), capped)
 
 
 def unresolved_warning(row: ProbeResolution) -> str:
     """The one line a tolerance the guard cannot resolve gets."""
-    more = ("raise the recipe's guard max_seconds or max_prompts" if row.probe in GENERATED
+    more = ("raise the recipe's guard max_tokens or max_prompts" if row.probe in GENERATED
             else "give more --guard-texts documents of this length")
     return (f"the long-context guard cannot resolve its tolerance for {row.describe()}; "
             f"{row.prompts_for(row.tolerance)} prompts would ({more}, or widen the tolerance): a point's verdict "
             "there turns on which prompts were drawn")
-
-
-def seconds_per_token(seconds: float, probes) -> float:
-    """What reading one token of the probes costs, from an unablated read of all of them that took ``seconds``."""
-    tokens = sum(len(it.ids) for p in probes for it in p.items)
-    return seconds / tokens if tokens else 0.0
