@@ -89,7 +89,7 @@ class Settings:
     guard_tolerance: tuple[tuple[str, float], ...] = (("passkey", 5.0), ("copy", 5.0), ("text", 0.05))
     calibrate_probes: bool = False  # score on the probes' prompts too (beside the calibration sequences)
     guard_sizing: str = "auto"  # auto: passkey/copy prompts sized to resolve their tolerance (guard_sizing.py) | fixed
-    guard_max_tokens: int = 50_000  # the cap on auto: the most tokens one point's probe read may take (this device)
+    guard_max_tokens: int = 16_000  # the cap on auto: the most tokens one point's probe read may take (this device)
     guard_max_prompts: int = 256  # and the most prompts per probe and length
 
     @property
