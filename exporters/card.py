@@ -73,16 +73,7 @@ def _summary_table(meta: dict) -> list[str]:
         if "kl_answer_nats" in task:
             lines.append(f"| answer KL from the original | 0 | {task['kl_answer_nats']:.4f} nat "
                          f"({_pct(task['agreement_with_unablated'])} same answers) |")
-    confirmation = meta.get("confirmation") or {}
-    if confirmation.get("confirmed") is not None:
-        if confirmation["confirmed"]:
-            ci = confirmation["ci95_points"]
-            lines.append(f"| confirmed on {confirmation['questions']} unseen questions | | delta "
-                         f"{confirmation['delta_points']:+.2f} pt [{ci[0]:+.2f}, {ci[1]:+.2f}], answer KL "
-                         f"{confirmation['kl_answer_nats']:.4f} nat |")
-        else:
-            lines.append(f"| confirmed on {confirmation['questions']} unseen questions | | nothing confirmed: no "
-                         "heads removed |")
+    lines += _confirmation_row(meta.get("confirmation") or {})
     heal = meta.get("healing")
     if heal:
         before_heal = (task.get("before_healing") or {}).get("accuracy")
@@ -91,6 +82,23 @@ def _summary_table(meta: dict) -> list[str]:
         lines.append(f"| after LoRA healing ({heal['steps']} steps) | training loss {heal['loss_first']:.4f} | "
                      f"{heal['loss_last']:.4f}{after_heal} |")
     return lines
+
+
+def _confirmation_row(confirmation: dict) -> list[str]:
+    """The confirmation on unseen questions (or, for a next-token-KL budget on generations, unseen texts)."""
+    if confirmation.get("confirmed") is None:
+        return []
+    on = (f"{confirmation['texts']} unseen texts" if "texts" in confirmation
+          else f"{confirmation['questions']} unseen questions")
+    if not confirmation["confirmed"]:
+        return [f"| confirmed on {on} | | nothing confirmed: no heads removed |"]
+    if "texts" in confirmation:
+        ci = confirmation["kl_text_ci95"]
+        return [f"| confirmed on {on} | | next-token KL {confirmation['kl_text_nats']:.4f} nat [{ci[0]:.4f}, "
+                f"{ci[1]:.4f}] |"]
+    ci = confirmation["ci95_points"]
+    return [f"| confirmed on {on} | | delta {confirmation['delta_points']:+.2f} pt [{ci[0]:+.2f}, {ci[1]:+.2f}], "
+            f"answer KL {confirmation['kl_answer_nats']:.4f} nat |"]
 
 
 PROBE_WORDS = {

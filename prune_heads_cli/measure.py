@@ -14,7 +14,7 @@ from prune_heads.eval.work import Work
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable
 from prune_heads.io.files import StagedDirectory, write_json, write_jsonl, write_text
 from prune_heads.models.tokens import encode
-from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_text_sequences, lm_eval_spec, round_robin
+from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_texts, lm_eval_spec, round_robin
 from prune_heads.pipeline.settings import Settings
 from prune_heads.pipeline.stages import Run, load, open_run, score, warn_chance
 from prune_heads.report import plots
@@ -134,9 +134,10 @@ def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict
     summary["paired_delta"] = paired_delta(result, baseline).to_json()
     summary["kl_answer_nats"] = round(float(answer_kl(result, baseline).mean()), 6)
     summary["agreement"] = round(agreement(result, baseline), 6)
-    kl_seqs, kl_source = kl_text_sequences(run.lm, run.settings, run.inputs)
-    if kl_seqs:
-        summary["kl_text"] = {"nats": round(run.work.text_kl(kl_seqs, heads), 6), "source": kl_source}
+    kl_text, _ = kl_texts(run.work, run.settings, run.inputs)
+    if kl_text is not None:
+        nats = run.work.text_kls(kl_text.sequences, heads, kl_text.scored).mean()
+        summary["kl_text"] = {"nats": round(float(nats), 6), "source": kl_text.source}
     return warn_chance(baseline, task=run.settings.task)
 
 

@@ -98,7 +98,10 @@ def common_options(f):
                      "file in its Hub schema (allenai/ai2_arc, Rowan/hellaswag, ybisk/piqa, allenai/winogrande)."),
         click.option("--task-limit", help="Questions of a non-MMLU task (its first N), or 'all'."),
         click.option("--kl-text", type=click.Path(dir_okay=False), help="Held-out text (JSONL 'text' or plain lines) "
-                     "for the next-token KL (--metric kl-text); default: held-out questions of the task."),
+                     "for the next-token KL (--metric kl-text); default: held-out questions of the task. "
+                     "lm-eval:NAME[,NAME] (generative tasks): each document's prompt and the unablated model's own "
+                     "greedy generation, the KL read on the generated tokens; the first kl_text_size documents of "
+                     "each task are searched, the next ones confirm."),
         click.option("--calibration", type=click.Path(dir_okay=False),
                      help="Score on this text (JSONL 'text' or plain lines) instead of the task prompts."),
         click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),
@@ -225,9 +228,10 @@ def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False
         settings = dataclasses.replace(settings, layout=gguf_layout(settings.layout, config))
     inputs = load_inputs(settings, source, config, flag_paths())
     if NOT_CHOICES in inputs.questions.notes and not any_lm_eval_task:
-        raise UserError(f"`task` {settings.task} is not multiple choice (generative or perplexity): prune-heads eval "
-                        "measures it, unablated and ablated, also against the unablated model's own generations; a "
-                        "budget, a study and the export's check read multiple-choice tasks (lm-eval:NAME of one)")
+        raise UserError(f"`task` {settings.task} is not multiple choice (generative or perplexity): a budget reads "
+                        f"generation as the next-token KL on the unablated model's own generations (`metric` kl-text, "
+                        f"`kl_text` {settings.task}, a multiple-choice `task` beside it); prune-heads eval measures "
+                        "it, unablated and ablated")
     return settings, inputs
 
 

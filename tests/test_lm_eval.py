@@ -127,6 +127,24 @@ print(json.dumps({{t: [[s["doc_id"], s["resps"]] for s in v] for t, v in out["sa
                 assert np.allclose(got, want, atol=1e-3), (name, doc_id, got, want)
 
 
+def test_the_budgets_kl_on_generations_equals_evals_teacher_forced_kl_per_document(lm):
+    from prune_heads.eval.lm_eval_bridge import evaluate_tasks, generation_agreement, reference_generations
+    from prune_heads.eval.textkl import next_token_kl
+
+    spec = LmEvalSpec("lm-eval:ph_gen")
+    rows = reference_generations(lm, load_tasks(spec), 8, 4, progress=False)
+    base = evaluate_tasks(lm, load_tasks(spec), None, 4, 8)
+    assert [r["doc_id"] for r in rows] == sorted(s["doc_id"] for s in base["samples"]["ph_gen"])
+    assert sum(r["generated"] for r in rows) > 8  # the tiny model generates until its stop sequences
+    ablated = evaluate_tasks(lm, load_tasks(spec), HEADS, 4, 8)
+    by_doc = lambda out: sorted(out["samples"]["ph_gen"], key=lambda s: s["doc_id"])  # noqa: E731
+    theirs = generation_agreement(ablated["model"], base["model"], by_doc(ablated), by_doc(base))
+    kept = [i for i, r in enumerate(rows) if r["generated"]]
+    ours = next_token_kl(lm, [rows[i]["ids"] for i in kept], HEADS, 3, [rows[i]["generated"] for i in kept])
+    expect = torch.tensor([theirs[i]["kl_per_token"] for i in kept], dtype=torch.float64)
+    assert torch.allclose(ours, expect, rtol=1e-4, atol=1e-6) and float(expect.min()) > 0
+
+
 # -- the commands ------------------------------------------------------------------------------------------------------------
 
 
@@ -167,6 +185,48 @@ def test_the_main_command_verifies_a_budget_on_an_lm_eval_task(tmp_path, model_d
     assert rows
 
 
+def _generation_budget(model_dir, out, *extra):
+    return ["--model", model_dir, "--task", "lm-eval:ph_mc", "--task-limit", "10", "--metric", "kl-text", "--kl-text",
+            "lm-eval:ph_gen", "--budget", "0.05nat", "--calibration-size", "4", "--no-guard", "--dtype", "float32",
+            "--out", out,
+            "--no-progress", *extra]
+
+
+def test_a_generative_task_is_a_budget_confirmed_on_unseen_documents_and_resumes(tmp_path, model_dir, capsys,
+                                                                                 monkeypatch):
+    from prune_heads.eval import lm_eval_bridge
+    from prune_heads.search import confirmation
+
+    out = tmp_path / "g"
+    def interrupted(self, point):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(confirmation._TextConfirmer, "passes", interrupted)
+    code, _, _ = run_cli(_generation_budget(model_dir, out), capsys)
+    partial = out.parent / f".{out.name}.partial"  # interrupted at the confirmation: its finished work kept
+    assert code == 130 and any((partial / "cache").glob("generations-*.safetensors"))
+    monkeypatch.undo()
+    def generated_again(*a, **k):
+        raise AssertionError("the unablated generations were computed again on resume")
+
+    monkeypatch.setattr(lm_eval_bridge, "reference_generations", generated_again)
+    code, _, err = run_cli(_generation_budget(model_dir, out), capsys)
+    assert code == 0 and "resuming" in err, err
+    report = json.loads((out / "report.json").read_text())
+    kl_text = report["task"]["kl_text"]
+    assert kl_text["texts"] == 16 and "ph_gen" in kl_text["source"] and "generations" in kl_text["source"]
+    confirmation = report["confirmation"]
+    assert confirmation["texts"] == 16 and "the next 16 documents" in confirmation["source"], confirmation
+    assert confirmation["points"] and "confirmed" in confirmation
+    for p in confirmation["points"]:
+        assert p["within_budget"] == (p["kl_text_nats"] <= 0.05)
+    final = report["final"]
+    if confirmation["confirmed"]:
+        assert final["num_heads_removed"] == confirmation["num_heads"] > 0 and final["kl_text_nats"] <= 0.05
+    else:
+        assert final["num_heads_removed"] == 0
+
+
 # -- bad input -----------------------------------------------------------------------------------------------------------------
 
 
@@ -201,7 +261,11 @@ def test_bad_lm_eval_input_is_one_line_before_the_model_loads(tmp_path, model_di
 
 def test_a_generative_task_as_a_budget_and_a_missing_lm_eval_are_one_line(tmp_path, model_dir, capsys, monkeypatch):
     code, _, err = run_cli(["--model", model_dir, "--task", "lm-eval:ph_gen", "--out", tmp_path / "o"], capsys)
-    _one_line(code, err, "prune-heads eval")
+    _one_line(code, err, "--kl-text lm-eval:ph_gen")
+    args = _generation_budget(model_dir, tmp_path / "o")
+    args[args.index("lm-eval:ph_gen")] = "lm-eval:ph_mc"
+    code, _, err = run_cli(args, capsys)
+    _one_line(code, err, "is multiple_choice, not generate_until")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
     with pytest.raises(UserError, match=r"pip install 'prune-heads\[lm-eval\]'"):

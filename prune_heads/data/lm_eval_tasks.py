@@ -212,3 +212,21 @@ def mmlu_tasks(data: TaskData, directory: Path, per_subject: int | None = None) 
             encoding="utf-8")
         names.append(name)
     return LmEvalSpec(PREFIX + ",".join(names), str(directory), num_fewshot=5)
+
+
+def task_identity(tasks: dict[str, object]) -> str:
+    """What a cache entry derived from ``tasks`` depends on: each task's configuration as lm-eval holds it and the
+    bytes of its local data files (an edited YAML or data file is a new identity)."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for name, task in tasks.items():
+        config = task.config.to_dict()
+        h.update(json.dumps([name, config], sort_keys=True, default=str).encode())
+        files = (config.get("dataset_kwargs") or {}).get("data_files") or {}
+        for path in (files.values() if isinstance(files, dict) else [files]):
+            for p in (path if isinstance(path, list) else [path]):
+                if isinstance(p, str) and Path(p).is_file():
+                    h.update(Path(p).read_bytes())
+    return h.hexdigest()

@@ -95,3 +95,23 @@ def generation_agreement(model: VerifiedLM, reference: VerifiedLM, samples: list
                      "token_agreement": float((q.argmax(-1) == target).double().mean()),
                      "kl_per_token": float(kl.mean())})
     return rows
+
+
+def reference_generations(lm: LoadedModel, tasks: dict, limit: int, batch_size: int = 8,
+                          progress: bool = True) -> list[dict]:
+    """The unablated model's own greedy generation of each of the first ``limit`` documents of each generative task
+    (lm-eval's prompts, few-shot exemplars, stop sequences and ``max_gen_toks``: stock lm-eval on these weights), as
+    token ids: ``{"task", "doc_id", "ids": prompt + generation (the last ``model.max_length`` tokens), "generated":
+    how many of them the model generated}``, in lm-eval's document order, task by task. What ``generation_agreement``
+    teacher-forces on, and the text a next-token-KL budget on generation reads (only its generated tokens)."""
+    out = evaluate_tasks(lm, tasks, None, batch_size, limit, progress)
+    model = out["model"]
+    rows = []
+    for name in tasks:
+        for sample in sorted(out["samples"][name], key=lambda s: s["doc_id"]):
+            context, generated = sample["arguments"][0][0], sample["resps"][0][0]
+            ctx, cont = model._encode_pair(context, generated) if generated else (model.tok_encode(context), [])
+            ids = (ctx + cont)[-model.max_length:]
+            rows.append({"task": name, "doc_id": sample["doc_id"], "ids": ids,
+                         "generated": min(len(cont), len(ids) - 1)})
+    return rows

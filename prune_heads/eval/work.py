@@ -94,20 +94,17 @@ class Work:
         return ablation, {**(model_key or self.model_key), "what": "task", "task": enc.task,
                           "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.batch_size}
 
-    def text_kl(self, sequences: list[list[int]], target) -> float:
-        """Mean next-token KL(unablated || ablated) over held-out texts, nats; cached like evaluations."""
-        return float(self.text_kls(sequences, target).mean())
-
-    def text_kls(self, sequences: list[list[int]], target) -> torch.Tensor:
-        """Next-token KL(unablated || ablated) of each held-out text, nats; cached like evaluations."""
+    def text_kls(self, sequences: list[list[int]], target, scored: list[int] | None = None) -> torch.Tensor:
+        """Next-token KL(unablated || ablated) of each held-out text, nats (``scored``: only each text's last so many
+        tokens, textkl.next_token_kl); cached like evaluations."""
         ablation = self.ablation_key(target)
         if ablation is None:
             return torch.zeros(len(sequences), dtype=torch.float64)
         key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
-               "batch": self.batch_size}
+               "batch": self.batch_size, **({"scored": tokens_digest([scored])} if scored is not None else {})}
         hit = self._get("kltext", key)
         if hit is None:
-            hit = {"kl": self._kl_shared(sequences, target)}
+            hit = {"kl": self._kl_shared(sequences, target, scored)}
             self.cache.put("kltext", key, hit)
         return hit["kl"]
 
@@ -176,32 +173,33 @@ class Work:
             return score_heads(self.lm, seqs, self.batch_size, self.progress)
         tables: dict[str, torch.Tensor] = {}
         def run(mine):
-            return score_heads(self.lm, mine, self.batch_size, self.progress).per_input
+            return score_heads(self.lm, [seqs[i] for i in mine], self.batch_size, self.progress).per_input
 
         for idx, part in self._on_text_share(seqs, False, run):
             for key, value in part.items():
                 tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
         return ScoreTable(tables, [len(s) for s in seqs])
 
-    def _kl_shared(self, sequences: list[list[int]], target) -> torch.Tensor:
+    def _kl_shared(self, sequences: list[list[int]], target, scored: list[int] | None) -> torch.Tensor:
         """Next-token KL per text, each rank taking its deal of the longest-first batches."""
         if self.ranks.size == 1:
-            return next_token_kl(self.lm, sequences, target, self.batch_size)
+            return next_token_kl(self.lm, sequences, target, self.batch_size, scored)
         out = torch.zeros(len(sequences), dtype=torch.float64)
         def run(mine):
-            return next_token_kl(self.lm, mine, target, self.batch_size)
+            return next_token_kl(self.lm, [sequences[i] for i in mine], target, self.batch_size,
+                                 None if scored is None else [scored[i] for i in mine])
 
         for idx, part in self._on_text_share(sequences, True, run):
             out[idx] = part
         return out
 
     def _on_text_share(self, sequences: list[list[int]], full_logits: bool, run) -> list[tuple[list[int], object]]:
-        """``run(sequences)`` on this rank's deal of the single-process batches (batching.text_batches: ``run``
-        cuts this rank's share into the same batches); every rank's (indices, result) back, ranks with no batch
-        left out."""
+        """``run(indices)`` on this rank's deal of the single-process batches (batching.text_batches: ``run``
+        cuts this rank's share of ``sequences`` into the same batches); every rank's (indices, result) back, ranks
+        with no batch left out."""
         batches = text_batches(self.lm, sequences, self.batch_size, full_logits)
         mine = [i for batch in self.ranks.deal(batches) for i in batch]
-        parts = self.ranks.gather((mine, run([sequences[i] for i in mine]) if mine else None))
+        parts = self.ranks.gather((mine, run(mine) if mine else None))
         return [(idx, part) for idx, part in parts if idx]
 
     def _on_task_share(self, enc: EncodedTask, masks, run) -> list[EvalResult]:

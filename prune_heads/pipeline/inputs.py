@@ -7,15 +7,27 @@ the held-out text of the next-token KL, and the healing text. None of them is ev
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from prune_heads.data.calibration import load_calibration
-from prune_heads.data.lm_eval_tasks import NOT_CHOICES, LmEvalSpec, is_lm_eval, load_tasks, multiple_choice_data
+from prune_heads.data.lm_eval_tasks import (
+    NOT_CHOICES,
+    LmEvalSpec,
+    is_lm_eval,
+    load_tasks,
+    multiple_choice_data,
+    task_identity,
+)
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from prune_heads.errors import UserError
 from prune_heads.eval.encoding import EncodedTask
+from prune_heads.eval.textkl import HeldOutText
+from prune_heads.eval.work import Work
 from prune_heads.models.loading import LoadedModel, ModelSource, load_config, resolve_source
 from prune_heads.models.tokens import encode
 from prune_heads.pipeline.settings import Settings
@@ -35,6 +47,7 @@ class Inputs:
     confirmation: TaskData | None = None  # questions the search never sees, to confirm the chosen point on
     confirmation_source: str | None = None  # where they come from (or why there are none)
     guard_texts: list[str] | None = None  # --guard-texts documents (the long-context guard's probe text)
+    kl_text_tasks: dict | None = None  # --kl-text lm-eval:NAME: its generative tasks (lm-eval Task objects)
 
 
 def lm_eval_spec(settings: Settings) -> LmEvalSpec:
@@ -84,14 +97,28 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
     if settings.calibration:
         texts = load_calibration(settings.calibration)
         calibration, rest = texts[:settings.calibration_size], texts[settings.calibration_size:]
-    kl_text = (load_calibration(settings.kl_text, settings.kl_text_size, "held-out text file")
-               if settings.kl_text else None)
+    kl_text = kl_text_tasks = None
+    if is_lm_eval(settings.kl_text):
+        kl_text_tasks = generative_tasks(settings)
+    elif settings.kl_text:
+        kl_text = load_calibration(settings.kl_text, settings.kl_text_size, "held-out text file")
     heal_text = load_calibration(settings.heal_data, what="healing text file") if settings.heal_data else None
     guard_texts = (load_calibration(settings.guard_texts, what="guard text file")
                    if settings.guard_texts and settings.guard else None)
     questions, confirmation, why = confirmation_questions(settings, questions, full)
     return Inputs(source, config, questions, full, calibration, rest, kl_text, heal_text,
-                  input_paths(settings, source) + tuple(read), confirmation, why, guard_texts)
+                  input_paths(settings, source) + tuple(read), confirmation, why, guard_texts, kl_text_tasks)
+
+
+def generative_tasks(settings: Settings) -> dict:
+    """``kl_text`` lm-eval:NAME[,NAME...]: its tasks, each generative (their documents' generations are the text)."""
+    tasks = load_tasks(LmEvalSpec(settings.kl_text, settings.lm_eval_include, settings.num_fewshot))
+    for name, task in tasks.items():
+        if task.OUTPUT_TYPE != "generate_until":
+            raise UserError(f"`kl_text` {settings.kl_text}: lm-eval task {name} is {task.OUTPUT_TYPE}, not "
+                            "generate_until; the next-token KL on generations reads a generative task (a "
+                            "multiple-choice one is a `task` lm-eval:NAME)")
+    return tasks
 
 
 def confirmation_questions(settings: Settings, questions: TaskData,
@@ -99,6 +126,9 @@ def confirmation_questions(settings: Settings, questions: TaskData,
     """(search questions, confirmation questions or None, where they come from or why there are none)."""
     if not settings.confirm:
         return questions, None, "not confirmed: `no_confirm`"
+    if settings.metric == "kl-text" and is_lm_eval(settings.kl_text) and not settings.heal_in_search:
+        return questions, None, (f"the next-token KL on the next {settings.kl_text_size} documents of each task of "
+                                 f"{settings.kl_text}, never searched")
     if settings.metric == "kl-text" or settings.heal_in_search:
         return questions, None, ("not confirmed: the budget is measured on held-out text" if settings.metric ==
                                  "kl-text" else "not confirmed: `heal_in_search` judges healed models")
@@ -119,7 +149,8 @@ def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
     recipe, the data files, the adapter."""
     model = [] if source.kind == "hub" else [str(Path(source.path) / source.gguf_file) if source.gguf_file
                                              else source.path]
-    files = [settings.recipe.path, settings.calibration, settings.kl_text, settings.heal_data, settings.task_data,
+    kl_text = None if is_lm_eval(settings.kl_text) else settings.kl_text
+    files = [settings.recipe.path, settings.calibration, kl_text, settings.heal_data, settings.task_data,
              settings.lora_adapter, settings.guard_texts, settings.lm_eval_include]
     if settings.mmlu and Path(settings.mmlu).exists():
         files.append(settings.mmlu)
@@ -179,14 +210,15 @@ def calibration_sequences(
 KL_TEXT_MAX_TOKENS = 256  # per held-out text: the next-token KL needs full-vocabulary logits at every position
 
 
-def kl_text_sequences(
-    lm: LoadedModel, settings: Settings, inputs: Inputs
-) -> tuple[list[list[int]], str] | tuple[None, None]:
-    """Text for the next-token KL, never seen by scoring or verification: --kl-text, else the calibration file's
-    lines after the ones scored, else held-out questions of the task with their correct answers. Measured only
-    when the budget is in next-token KL or --kl-text is given (it costs two forward passes per evaluated point)."""
+def kl_texts(work: Work, settings: Settings, inputs: Inputs) -> tuple[HeldOutText | None, HeldOutText | None]:
+    """(the text the next-token KL is measured on, the further text a point is confirmed on or None), never seen by
+    scoring or verification: ``kl_text`` lm-eval:NAME (``generation_texts``), a ``kl_text`` file, else the calibration
+    file's lines after the ones scored, else held-out questions of the task with their correct answers. Measured only
+    when the budget is in next-token KL or ``kl_text`` is given (it costs two forward passes per evaluated point)."""
     if settings.metric != "kl-text" and not settings.kl_text:
         return None, None
+    if inputs.kl_text_tasks is not None:
+        return generation_texts(work, settings, inputs.kl_text_tasks)
     n = settings.kl_text_size
     if inputs.kl_text is not None:
         texts, source = inputs.kl_text, f"file {settings.kl_text}"
@@ -201,7 +233,57 @@ def kl_text_sequences(
     else:
         texts, source = held_out_texts(settings, inputs, n, "`metric` kl-text", "`kl_text`")
         source += " (not evaluated, not scored)"
-    return encoded_texts(lm, texts, KL_TEXT_MAX_TOKENS, source), source
+    return HeldOutText(encoded_texts(work.lm, texts, KL_TEXT_MAX_TOKENS, source), source), None
+
+
+def generation_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldOutText, HeldOutText | None]:
+    """``kl_text`` lm-eval:NAME: each document's prompt followed by the unablated model's own greedy generation
+    (eval.lm_eval_bridge.reference_generations), the KL read on the generated tokens only. Each task's first
+    ``kl_text_size`` documents are the search's text, its next ``kl_text_size`` (unless ``no_confirm``) the
+    confirmation's. Generated once per model and task definition (cached: a resumed run never generates again)."""
+    n = settings.kl_text_size
+    limit = 2 * n if settings.confirm else n
+    key = {"tasks": task_identity(tasks), "limit": limit, "num_fewshot": settings.num_fewshot}
+    rows = _generated_rows(work.recall("generations", key))
+    if rows is None:
+        from prune_heads.eval.lm_eval_bridge import reference_generations
+
+        rows = reference_generations(work.lm, tasks, limit, work.batch_size, work.progress)
+        rows = _generated_rows(work.remember("generations", key, _generated_tensors(rows)))
+    search, confirm = [], []
+    for name in tasks:
+        mine = [r for r in rows if r["task"] == name and r["generated"] > 0]
+        search += mine[:n]
+        confirm += mine[n:]
+    if not search:
+        raise UserError(f"`kl_text` {settings.kl_text}: the unablated model generated nothing on any document (it "
+                        "stopped at once); the KL on generations has no tokens to read; check the task's stop "
+                        "sequences (until) and prompts")
+    names = ", ".join(tasks)
+
+    def text(part: list[dict], which: str) -> HeldOutText:
+        source = (f"{which} {len(part)} documents of lm-eval {names} with the unablated model's own greedy "
+                  f"generations ({sum(r['generated'] for r in part)} generated tokens, the only ones read)")
+        return HeldOutText([r["ids"] for r in part], source, [r["generated"] for r in part])
+
+    return text(search, "the first"), (text(confirm, "the next") if confirm else None)
+
+
+def _generated_tensors(rows: list[dict]) -> dict:
+    return {"ids": torch.tensor([t for r in rows for t in r["ids"]], dtype=torch.int64),
+            "lengths": torch.tensor([len(r["ids"]) for r in rows], dtype=torch.int64),
+            "generated": torch.tensor([r["generated"] for r in rows], dtype=torch.int64),
+            "doc_ids": torch.tensor([r["doc_id"] for r in rows], dtype=torch.int64),
+            "task_names": torch.tensor(list(json.dumps([r["task"] for r in rows]).encode()), dtype=torch.uint8)}
+
+
+def _generated_rows(tensors: dict | None) -> list[dict] | None:
+    if tensors is None:
+        return None
+    names = json.loads(bytes(tensors["task_names"].tolist()).decode())
+    ids = tensors["ids"].split(tensors["lengths"].tolist())
+    return [{"task": t, "doc_id": int(d), "ids": i.tolist(), "generated": int(g)}
+            for t, d, i, g in zip(names, tensors["doc_ids"], ids, tensors["generated"])]
 
 
 def heal_sequences(

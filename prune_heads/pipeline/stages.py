@@ -39,7 +39,7 @@ from prune_heads.pipeline.inputs import (
     Inputs,
     calibration_sequences,
     heal_sequences,
-    kl_text_sequences,
+    kl_texts,
     mmlu_selection,
     with_questions_per_subject,
 )
@@ -59,7 +59,7 @@ from prune_heads.search.selection import (
     unit_ranking,
 )
 from prune_heads.search.units import UnitRanking
-from prune_heads.search.verifier import HeldOutText, Verifier, VerifierSetup
+from prune_heads.search.verifier import Verifier, VerifierSetup
 
 
 def warn_chance(result: EvalResult, metric: str = "accuracy", task: str = "mmlu") -> str | None:
@@ -183,10 +183,9 @@ def say_resolution(run: Run, resolution: Resolution | None) -> str | None:
 def verifier_for(run: Run) -> Verifier:
     """The verifier of the main job, with its unablated baseline (cached)."""
     s = run.settings
-    kl_seqs, kl_source = kl_text_sequences(run.lm, s, run.inputs)
-    setup = VerifierSetup(s.budget, s.layout, s.early_stop_blocks,
-                          HeldOutText(kl_seqs, kl_source) if kl_seqs is not None else None, healer(run),
-                          s.heal_in_search)
+    kl_text, confirm_text = kl_texts(run.work, s, run.inputs)
+    setup = VerifierSetup(s.budget, s.layout, s.early_stop_blocks, kl_text, healer(run), s.heal_in_search,
+                          confirm_text if s.confirm and s.metric == "kl-text" else None)
     return Verifier.measured(run.work, run.planner, run.enc, setup)
 
 

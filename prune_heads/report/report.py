@@ -40,6 +40,14 @@ def lm_eval_rows(result: EvalResult) -> list[dict]:
             for q, p, c, ll in zip(result.questions, result.pred, result.correct, result.loglik)]
 
 
+def _over_budget(point: dict, confirmation: dict) -> str:
+    if "texts" in confirmation:  # a next-token-KL budget confirmed on further texts
+        return (f"over budget on {confirmation['texts']} unseen texts (next-token KL {point['kl_text_nats']:.4f} "
+                "nat)")
+    return (f"over budget on {confirmation['questions']} unseen questions (delta {point['delta_points']:+.2f} pt, "
+            f"answer KL {point['kl_answer_nats']:.4f} nat)")
+
+
 def mark_refusals(points: list[dict], confirmation: dict, guard: dict) -> list[dict]:
     """The search's points with ``refused``: ``{"by": "guard" | "confirmation", "reason": ...}`` on each one the
     long-context guard or the confirmation on unseen questions turned down (matched by head count), so the plots and
@@ -47,9 +55,7 @@ def mark_refusals(points: list[dict], confirmation: dict, guard: dict) -> list[d
     refused = {}
     for p in (confirmation or {}).get("points", []):
         if not p.get("within_budget", True):
-            refused[p["num_heads"]] = {"by": "confirmation", "reason": f"over budget on {confirmation['questions']} "
-                                       f"unseen questions (delta {p['delta_points']:+.2f} pt, answer KL "
-                                       f"{p['kl_answer_nats']:.4f} nat)"}
+            refused[p["num_heads"]] = {"by": "confirmation", "reason": _over_budget(p, confirmation)}
     for p in (guard or {}).get("points", []):
         if not p.get("within_tolerance", True):
             refused[p["num_heads"]] = {"by": "guard", "reason": p.get("reason", "a long-context probe")}

@@ -57,7 +57,8 @@ def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Sel
     if not selection.heads:
         return selection, {"confirmed": None, "reason": questions.source or "nothing to confirm: no heads were "
                            "chosen"}, guarded
-    confirmer = _Confirmer(verifier, questions) if questions.data is not None else None
+    confirmer = (_Confirmer(verifier, questions) if questions.data is not None
+                 else _TextConfirmer(verifier) if verifier.setup.confirm_text is not None else None)
     if confirmer is None and guard is None:
         return selection, {"confirmed": None, "reason": questions.source}, guarded
     smaller = _smaller(selection, ranking, verifier) if guard is not None and ranking is not None else ()
@@ -118,6 +119,7 @@ class _Confirmer:
     def __init__(self, verifier: Verifier, questions: ConfirmationQuestions):
         self.verifier, self.work = verifier, verifier.work
         self.enc = encode_task(self.work.lm, questions.data)
+        self.unseen = f"{len(self.enc)} unseen questions"
         self.report = {"questions": len(self.enc), "subjects": len(self.enc.subjects), "source": questions.source,
                        "rule": verifier.budget.rule, "points": [],
                        "question_ids": [[q.subject, q.index] for q in questions.data.questions]}
@@ -148,10 +150,42 @@ class _Confirmer:
         return self.report
 
 
-def _nothing(verifier: Verifier, selection: Selection, confirmer: _Confirmer | None,
+class _TextConfirmer:
+    """A next-token-KL budget confirmed on further texts the search never read (``VerifierSetup.confirm_text``: the
+    next documents of a generative lm-eval task with the unablated model's own generations), under the run's rule."""
+
+    def __init__(self, verifier: Verifier):
+        self.verifier, self.texts = verifier, verifier.setup.confirm_text
+        self.unseen = f"{len(self.texts)} unseen texts"
+        self.report = {"texts": len(self.texts), "source": self.texts.source, "rule": verifier.budget.rule,
+                       "points": []}
+        self._last = None
+
+    def passes(self, point) -> bool:
+        texts, budget = self.texts, self.verifier.budget
+        kls = self.verifier.work.text_kls(texts.sequences, self.verifier.target(point.heads), texts.scored).double()
+        kl, se = float(kls.mean()), float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
+        ok = budget.allows(None, kl_text=kl, kl_text_se=se)  # a kl-text budget reads no accuracy
+        self.report["points"].append({"num_heads": point.num_heads, "units": point.units, "kl_text_nats": round(kl, 6),
+                                      "kl_text_ci95": [round(kl - 1.96 * se, 6), round(kl + 1.96 * se, 6)],
+                                      "within_budget": ok})
+        say(f"  confirmation of {point.num_heads} heads on {self.unseen}: next-token KL {kl:.4f} nat "
+            f"[{kl - 1.96 * se:.4f}, {kl + 1.96 * se:.4f}]  " + ("confirmed" if ok else "over budget"),
+            fg="green" if ok else "yellow")
+        self._last = (kl, se)
+        return ok
+
+    def accept(self, point) -> dict:
+        kl, se = self._last
+        self.report.update(confirmed=True, num_heads=point.num_heads, kl_text_nats=round(kl, 6),
+                           kl_text_ci95=[round(kl - 1.96 * se, 6), round(kl + 1.96 * se, 6)])
+        return self.report
+
+
+def _nothing(verifier: Verifier, selection: Selection, confirmer: "_Confirmer | _TextConfirmer | None",
              guard: Guard | None) -> Selection:
     """No point passes: nothing is removed."""
-    confirms = f"confirms within {verifier.budget} on {len(confirmer.enc)} unseen questions" if confirmer else ""
+    confirms = f"confirms within {verifier.budget} on {confirmer.unseen}" if confirmer else ""
     keeps = "keeps the long-context probes within tolerance" if guard is not None else ""
     say(f"nothing {' and '.join(x for x in (confirms, keeps) if x)}: no heads are removed", fg="red", bold=True)
     if confirmer is not None:

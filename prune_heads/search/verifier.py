@@ -7,13 +7,14 @@ will. With ``--heal-in-search`` a point is the pruned model after LoRA healing. 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from prune_heads.console import say
 from prune_heads.eval.encoding import EncodedTask, split_blocks
 from prune_heads.eval.results import EvalResult, in_order_of, restricted
+from prune_heads.eval.textkl import HeldOutText
 from prune_heads.eval.work import Work
 from prune_heads.heads import HeadSet
 from prune_heads.io.cache import digest
@@ -26,17 +27,10 @@ from prune_heads.search.resolution import coefficient_of_variation
 
 
 @dataclass(frozen=True)
-class HeldOutText:
-    """Held-out texts the next-token KL is measured on (token ids), and where they came from."""
-
-    sequences: list[list[int]] = field(repr=False)
-    source: str
-
-
-@dataclass(frozen=True)
 class VerifierSetup:
     """How a head set is judged: the budget, the export layout whose plan the ablation follows, early-stop blocks,
-    the held-out texts of the next-token KL, and healing (with ``heal_in_search``: every point is judged healed)."""
+    the held-out texts of the next-token KL (and the further texts a point is confirmed on, when there are), and
+    healing (with ``heal_in_search``: every point is judged healed)."""
 
     budget: Budget
     layout: str = "auto"
@@ -44,6 +38,7 @@ class VerifierSetup:
     kl_text: HeldOutText | None = None
     healer: Healer | None = None
     heal_in_search: bool = False
+    confirm_text: HeldOutText | None = None
 
 
 class Verifier:
@@ -151,7 +146,7 @@ def with_text_kl(work: Work, kl_text: HeldOutText | None, result: EvalResult, ta
     """``result`` with the next-token KL of ``target`` on the held-out texts (mean, standard error, coefficient of
     variation) in its meta, when they are measured."""
     if kl_text is not None:
-        kls = work.text_kls(kl_text.sequences, target).double()
+        kls = work.text_kls(kl_text.sequences, target, kl_text.scored).double()
         result.meta["kl_text"] = float(kls.mean())
         result.meta["kl_text_se"] = float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
         result.meta["kl_text_cv"] = coefficient_of_variation(kls)
