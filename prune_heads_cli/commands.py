@@ -23,6 +23,7 @@ from prune_heads.io.parallel import LOCAL, Ranks
 from prune_heads.models.loading import LoadedModel
 from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.pipeline.inputs import Inputs
+from prune_heads.pipeline.run_report import prune_report
 from prune_heads.pipeline.settings import Settings
 from prune_heads.pipeline.stages import (
     Run,
@@ -42,7 +43,7 @@ from prune_heads.pipeline.stages import (
     warn_chance,
 )
 from prune_heads.report import plots
-from prune_heads.report.report import METRIC_NAMES, budget_definition, mark_refusals, prune_report
+from prune_heads.report.report import METRIC_NAMES, budget_definition, mark_refusals
 from prune_heads.search.selection import Selection, gqa_costs
 from prune_heads.search.verifier import Verifier, VerifierSetup
 from prune_heads.timings import stage

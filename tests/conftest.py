@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,3 +26,18 @@ def _float32_when_auto(request, monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_dtype_measurement: let --dtype auto measure this CPU")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of 40 MiB (tmpfs): writes past it fail with ENOSPC as on a full disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root and must be able to mount a tmpfs for the full-disk tests")
+        pytest.skip("mounting a tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)

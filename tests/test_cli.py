@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import run_cli, save_tiny
 
 from prune_heads.heads import HeadSet
@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture()
 def mmlu_file(tmp_path):
-    return _cais_file(tmp_path, n_subjects=3, per_subject=9)
+    return cais_file(tmp_path, n_subjects=3, per_subject=9)
 
 
 
@@ -255,7 +255,7 @@ def test_usage_errors_are_one_line_too(argv, expected, tmp_path, capsys):
 
 
 def test_search_stops_evaluating_points_its_ci_puts_over_budget(model_dir, tmp_path, capsys):
-    mmlu = _cais_file(tmp_path, n_subjects=4, per_subject=12)
+    mmlu = cais_file(tmp_path, n_subjects=4, per_subject=12)
     out = tmp_path / "early"
     code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4", "--no-progress",
                             "--dtype", "float32", "--budget", "0.0005nat", "--no-export", "--mmlu-per-subject", "all"], capsys)

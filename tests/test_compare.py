@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import tiny_model
 
 from prune_heads.report.compare import ks_distance, selected, spearman, wasserstein_distance
@@ -37,7 +37,7 @@ def _saved(tmp_path, name, seed):
 
 def test_compare_a_model_with_itself_and_with_another(tmp_path, capsys):
     a, b = _saved(tmp_path, "a", 0), _saved(tmp_path, "b", 1)
-    mmlu = _cais_file(tmp_path)
+    mmlu = cais_file(tmp_path)
     common = ["--mmlu", str(mmlu), "--calibration-size", "4", "--no-progress", "--mmlu-per-subject", "all"]
     with pytest.raises(SystemExit) as e:
         main(["compare", str(a), str(a), "--out", str(tmp_path / "same"), *common])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import run_cli, save_tiny
 
 
@@ -16,7 +16,7 @@ def model_dir(tmp_path_factory):
 def _run(model_dir, tmp_path, capsys, *extra, code=0):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "run"
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=14)  # 9 questions per subject after 5 exemplars
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=14)  # 9 questions per subject after 5 exemplars
     got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
                            "--dtype", "float32", "--no-progress", *extra], capsys)
     assert got == code, err

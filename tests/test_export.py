@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from helpers import EVEN, IDS, UNEVEN, logits
 from tiny import FAMILIES, REAL_SHAPES, tiny_model, uneven_heads
 
 from exporters.export import ExportOptions, export_pruned
@@ -13,17 +14,6 @@ from prune_heads.heads import HeadSet
 from prune_heads.plan.ablation import ablate
 from prune_heads.plan.planner import Planner, balanced_selection, plan_exact, plan_masked, plan_uniform
 from prune_heads.plan.slicing import pruned_copy
-
-IDS = torch.tensor([[3, 17, 45, 99, 120, 7, 250, 33, 61, 5, 9, 11, 200, 201], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
-# Layer 0: uneven groups (one head gone from group 0, two from group 1); layer 1: nothing removed;
-# layer 2: every head of KV group 0; layer 3: every head of the layer.
-UNEVEN = HeadSet.of({0: [0, 3, 4], 2: [0, 1, 2], 3: [0, 1, 2, 3, 4, 5]})
-EVEN = HeadSet.of({0: [0, 3], 1: [1, 4], 2: [2, 5], 3: [0, 3]})  # one head per group in every layer: uniform (4, 2)
-
-
-def logits(model, ids=IDS):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
 
 
 def expected_param_drop(lm, plan) -> int:

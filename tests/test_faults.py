@@ -10,11 +10,8 @@ import shutil
 import subprocess
 
 import pytest
-from test_hostile import _snapshot
-from test_mmlu import _cais_file
+from helpers import cais_file, fill, free_up, snapshot
 from tiny import run_cli, save_tiny
-
-MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -24,35 +21,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def mmlu(tmp_path):
-    return _cais_file(tmp_path, n_subjects=2, per_subject=9)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real file system of 40 MiB (tmpfs): writes past it fail with ENOSPC as on a full disk."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
-                                                   capture_output=True).returncode == 0
-    if not mounted:
-        if os.environ.get("CI"):
-            pytest.fail("CI runs as root and must be able to mount a tmpfs for the full-disk tests")
-        pytest.skip("mounting a tmpfs needs root")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
-def fill(disk, leave: int) -> None:
-    """Fill ``disk`` until ``leave`` bytes are free (a file beside the run's, removed by ``free_up``)."""
-    with open(disk / "filler", "ab") as f:
-        missing = shutil.disk_usage(disk).free - leave
-        while missing > 0:
-            f.write(b"\0" * min(missing, 4 * MiB))
-            missing = shutil.disk_usage(disk).free - leave
-
-
-def free_up(disk) -> None:
-    (disk / "filler").unlink()
+    return cais_file(tmp_path, n_subjects=2, per_subject=9)
 
 
 def one_error_line(code, err, expect):
@@ -95,14 +64,14 @@ def test_disk_full_during_the_export_leaves_only_the_cache_and_the_rerun_resumes
         model_dir, mmlu, small_disk, monkeypatch, capsys, fmt, leave):
     out = small_disk / "pruned"
     (small_disk / "keep.txt").write_text("the user's file")
-    before = _snapshot(model_dir)
+    before = snapshot(model_dir)
     _fill_once_checked(monkeypatch, small_disk, leave)
     code, _, err = run_cli(_main_args(model_dir, mmlu, out, "--format", fmt), capsys)
     line = one_error_line(code, err, "filled up while writing the ")
     assert "it needs about" in line and "are free now" in line and "rerun the same command" in line
     partial = _only_the_cache_left(out)
     assert any((partial / "cache").glob("*.safetensors"))  # the search's finished work stays
-    assert _snapshot(model_dir) == before and (small_disk / "keep.txt").read_text() == "the user's file"
+    assert snapshot(model_dir) == before and (small_disk / "keep.txt").read_text() == "the user's file"
     monkeypatch.undo()
     free_up(small_disk)
     code, _, err = run_cli(_main_args(model_dir, mmlu, out, "--format", fmt), capsys)
@@ -178,16 +147,16 @@ def test_resume_refuses_the_finished_export_of_another_model(model_dir, other_mo
     out = tmp_path / "pruned"
     code, _, err = run_cli(_export_args(model_dir, heads, out), capsys)
     assert code == 0, err
-    before = _snapshot(out)
+    before = snapshot(out)
     code, _, err = run_cli(_export_args(other_model, heads, out, "--resume"), capsys)
     line = one_error_line(code, err, "holds the results of another run (model ")
     assert str(model_dir) in line and "--force" in line
-    assert _snapshot(out) == before and _family(out) != "qwen2"
+    assert snapshot(out) == before and _family(out) != "qwen2"
     other_heads = tmp_path / "other.json"  # the same model with other heads is another run too
     other_heads.write_text(json.dumps({"1": [1]}))
     code, _, err = run_cli(_export_args(model_dir, other_heads, out, "--resume"), capsys)
     one_error_line(code, err, "other settings: heads")
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
     code, _, err = run_cli(_export_args(model_dir, heads, out, "--resume"), capsys)  # its own run: continues
     assert code == 0, err
     code, _, err = run_cli(_export_args(other_model, heads, out, "--force"), capsys)  # --force replaces
@@ -203,10 +172,10 @@ def test_unfinished_work_of_another_model_is_not_resumed(model_dir, other_model,
     for f in partial.iterdir():
         if f.name not in ("cache", ".prune-heads"):
             shutil.rmtree(f) if f.is_dir() else f.unlink()
-    before, old_entries = _snapshot(partial), {p.name for p in (partial / "cache").iterdir()}
+    before, old_entries = snapshot(partial), {p.name for p in (partial / "cache").iterdir()}
     code, _, err = run_cli(_main_args(other_model, mmlu, out), capsys)
     one_error_line(code, err, "holds the unfinished work of another run (model ")
-    assert _snapshot(partial) == before and not out.exists()
+    assert snapshot(partial) == before and not out.exists()
     code, _, err = run_cli(_main_args(other_model, mmlu, out, "--force"), capsys)  # discarded, then run afresh
     assert code == 0 and "resuming" not in err, err
     assert not old_entries & {p.name for p in (out / "cache").iterdir()}  # nothing of the other model's work kept
@@ -349,10 +318,10 @@ def test_an_adapter_of_another_base_is_refused_and_adapt_names_its_output(model_
         return tmp_path / name
 
     other = adapter(tiny_model("llama", hidden_size=72), "other")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     code, _, err = run_cli(["adapt", other, "--pruned", pruned, "--out", tmp_path / "sliced"], capsys)
     one_error_line(code, err, "does not fit the pruned model's source")
-    assert "trained on another base" in err and _snapshot(tmp_path) == before
+    assert "trained on another base" in err and snapshot(tmp_path) == before
     deeper = adapter(tiny_model("llama", num_hidden_layers=6), "deeper")
     code, _, err = run_cli(["adapt", deeper, "--pruned", pruned, "--out", tmp_path / "sliced"], capsys)
     one_error_line(code, err, "has layer ")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import run_cli, save_tiny, tiny_model
 
 from prune_heads.data.probes import FILLER, ProbeItem, ProbeSet, copy_probe, passkey_probe, probe_lengths, text_probe
@@ -154,7 +154,7 @@ def test_a_tolerance_that_is_not_one_is_refused(name, text):
 def _run(model_dir, tmp_path, capsys, *extra, code=0):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "run"
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=14)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=14)
     got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
                            "--dtype", "float32", "--no-progress", "--mmlu-per-subject", "3", "--budget", "100%",
                            *extra], capsys)
@@ -305,7 +305,7 @@ def test_zeroing_the_heads_the_probes_find_retrieving_is_refused_on_the_embedded
 def test_eval_runs_the_probes_unablated_and_ablated(model_dir, tmp_path, capsys):
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"0": [0, 1], "1": [3]}))
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=8)
     out = tmp_path / "eval"
     code, _, err = run_cli(["eval", "--model", model_dir, "--mmlu", mmlu, "--out", out, "--dtype", "float32",
                             "--no-progress", "--ablate", heads, "--probes", "passkey,copy", "--probe-max-length",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import CORPUS, run_cli, save_tiny, tiny_model
 
 from prune_heads.heads import HeadSet
@@ -74,7 +74,7 @@ def model_dir(tmp_path_factory):
 def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    mmlu = _cais_file(tmp_path, n_subjects=3, per_subject=14)
+    mmlu = cais_file(tmp_path, n_subjects=3, per_subject=14)
     out = tmp_path / "healed"
     base = ["--model", model_dir, "--mmlu", mmlu, "--mmlu-per-subject", "3", "--dtype", "float32", "--no-progress",
             "--calibration-size", "4", "--budget", "100%", "--layout", "uniform"]
@@ -100,7 +100,7 @@ def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsy
 
 
 def test_heal_in_search_judges_points_after_healing(model_dir, tmp_path, capsys):
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=14)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=14)
     out = tmp_path / "his"
     code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--mmlu-per-subject", "3", "--dtype", "float32",
                             "--no-progress", "--calibration-size", "4", "--budget", "0.5nat", "--heal-steps", "3",

@@ -3,25 +3,19 @@ and every file that existed before is byte-identical afterwards. Property tests 
 values at the budget parser, the heads-file reader and the recipe reader."""
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 
 import pytest
 import yaml
+from helpers import cais_file, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny
 
 from prune_heads.errors import UserError
 from prune_heads.io.readers import read_heads, read_recipe
 from prune_heads.search.budget import Budget
-
-
-def _snapshot(directory):
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +27,18 @@ def model_dir(tmp_path_factory):
 def case(tmp_path, capsys, model_dir):
     """Run the CLI in ``tmp_path`` and check the answer: exit 2, one error line mentioning ``expect``, nothing that
     existed before changed (the shared model directory included)."""
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=8)
 
     def run(args, expect, code=2):
-        before, model_before = _snapshot(tmp_path), _snapshot(model_dir)
+        before, model_before = snapshot(tmp_path), snapshot(model_dir)
         got, _, err = run_cli([str(a).replace("MODEL", str(model_dir)).replace("MMLU", str(mmlu)) for a in args],
                               capsys)
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
         assert got == code, err
         assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
         assert expect in lines[0], lines[0]
-        after = _snapshot(tmp_path)
-        assert {k: v for k, v in after.items() if k in before} == before and _snapshot(model_dir) == model_before
+        after = snapshot(tmp_path)
+        assert {k: v for k, v in after.items() if k in before} == before and snapshot(model_dir) == model_before
         return lines[0]
 
     return run
@@ -289,7 +283,7 @@ def test_no_progress_silences_every_bar_the_libraries_included(tmp_path, model_d
     import subprocess
     import sys
 
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=8)
 
     def export(out, *extra):
         return subprocess.run([sys.executable, "-m", "prune_heads_cli", "export", "--model", str(model_dir), "--heads",

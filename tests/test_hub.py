@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from helpers import cli_subprocess
 from hub_server import HubServer
 from tiny import tiny_model
 
@@ -31,11 +32,6 @@ def hub(tmp_path):
         yield server, env
 
 
-def run(args, env):
-    return subprocess.run([sys.executable, "-m", "prune_heads_cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
-
-
 RELOAD = """
 import sys, torch
 from transformers import AutoModelForCausalLM
@@ -49,7 +45,7 @@ def test_push_round_trip_files_and_logits(export_dir, hub, tmp_path):
     from transformers import AutoModelForCausalLM
 
     server, env = hub
-    proc = run(["push", export_dir, "--repo-id", "user/pruned-tiny", "--branch", "v1"], env)
+    proc = cli_subprocess(["push", export_dir, "--repo-id", "user/pruned-tiny", "--branch", "v1"], env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     token = server.state.token
     assert token not in proc.stdout + proc.stderr
@@ -72,33 +68,33 @@ def test_push_round_trip_files_and_logits(export_dir, hub, tmp_path):
 
 def test_push_refuses_to_overwrite_without_force_and_bad_dirs_and_tokens(export_dir, hub, tmp_path):
     server, env = hub
-    assert run(["push", export_dir, "--repo-id", "user/r"], env).returncode == 0
-    proc = run(["push", export_dir, "--repo-id", "user/r"], env)
+    assert cli_subprocess(["push", export_dir, "--repo-id", "user/r"], env).returncode == 0
+    proc = cli_subprocess(["push", export_dir, "--repo-id", "user/r"], env)
     assert proc.returncode == 2 and "already has files" in proc.stderr and "--force" in proc.stderr
-    assert run(["push", export_dir, "--repo-id", "user/r", "--force"], env).returncode == 0
+    assert cli_subprocess(["push", export_dir, "--repo-id", "user/r", "--force"], env).returncode == 0
 
     incomplete = tmp_path / "incomplete"
     incomplete.mkdir()
     (incomplete / "config.json").write_text("{}")
-    proc = run(["push", incomplete, "--repo-id", "user/x"], env)
+    proc = cli_subprocess(["push", incomplete, "--repo-id", "user/x"], env)
     assert proc.returncode == 2 and f"no {MANIFEST}" in proc.stderr
 
-    proc = run(["push", export_dir, "--repo-id", "user/y"], {**env, "HF_TOKEN": "hf_wrong_token_value"})
+    proc = cli_subprocess(["push", export_dir, "--repo-id", "user/y"], {**env, "HF_TOKEN": "hf_wrong_token_value"})
     assert proc.returncode == 2 and "HTTP 401" in proc.stderr and "HF_TOKEN" in proc.stderr
     assert "hf_wrong_token_value" not in proc.stderr + proc.stdout
     assert "user/y" not in server.state.repos
 
 
 def test_main_command_push_to(hub, tmp_path):
-    from test_mmlu import _cais_file
+    from helpers import cais_file
 
     server, env = hub
     lm = tiny_model("qwen2")
     model = tmp_path / "model"
     lm.model.save_pretrained(model)
     lm.tokenizer.save_pretrained(model)
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=8)
-    proc = run(["--model", model, "--mmlu", mmlu, "--out", tmp_path / "out", "--calibration-size", "4", "--no-progress",
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=8)
+    proc = cli_subprocess(["--model", model, "--mmlu", mmlu, "--out", tmp_path / "out", "--calibration-size", "4", "--no-progress",
                 "--push-to", "user/main-push", "--private"], env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     repo = server.state.repos["user/main-push"]
@@ -108,16 +104,16 @@ def test_main_command_push_to(hub, tmp_path):
 
 def test_push_makes_an_existing_public_repo_private_when_asked_and_words_bad_ids(export_dir, hub):
     server, env = hub
-    assert run(["push", export_dir, "--repo-id", "user/pub"], env).returncode == 0
+    assert cli_subprocess(["push", export_dir, "--repo-id", "user/pub"], env).returncode == 0
     assert server.state.repos["user/pub"]["private"] is False
-    proc = run(["push", export_dir, "--repo-id", "user/pub", "--private", "--force"], env)
+    proc = cli_subprocess(["push", export_dir, "--repo-id", "user/pub", "--private", "--force"], env)
     assert proc.returncode == 0, proc.stderr
     assert "was public; made it private" in proc.stderr and server.state.repos["user/pub"]["private"] is True
     for repo_id in ("user/na me", "a/b/c", "user/x--y", "-user/x"):
-        proc = run(["push", export_dir, "--repo-id", repo_id], env)
+        proc = cli_subprocess(["push", export_dir, "--repo-id", repo_id], env)
         assert proc.returncode == 2 and "is not a Hub repo id" in proc.stderr and "network" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
     for branch in ("a..b", "with space", "x.lock", "-x"):
-        proc = run(["push", export_dir, "--repo-id", "user/b", "--branch", branch], env)
+        proc = cli_subprocess(["push", export_dir, "--repo-id", "user/b", "--branch", branch], env)
         assert proc.returncode == 2 and "is not a valid branch name" in proc.stderr, proc.stderr
     assert "user/b" not in server.state.repos

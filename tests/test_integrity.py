@@ -14,9 +14,8 @@ import sys
 import pytest
 import torch
 import yaml
+from helpers import cais_file, snapshot
 from safetensors.torch import load_file, save_file
-from test_hostile import _snapshot
-from test_mmlu import _cais_file
 from tiny import run_cli, save_tiny, tiny_model
 
 from exporters.export import ExportOptions, export_pruned
@@ -34,7 +33,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def mmlu(tmp_path):
-    return _cais_file(tmp_path, n_subjects=2, per_subject=8)
+    return cais_file(tmp_path, n_subjects=2, per_subject=8)
 
 
 def _heads(path, heads=HEADS):
@@ -75,7 +74,7 @@ def test_no_flag_input_inside_out_is_lost_even_with_force(tmp_path, model_dir, m
     f = inside[where]
     f.write_text("batch_size: 2\n" if where == "recipe" else "a long document\n" if where == "guard-texts"
                  else json.dumps(HEADS))
-    before = _snapshot(d)
+    before = snapshot(d)
     args = {"recipe": ["export", "--model", model_dir, "--recipe", f, "--heads", _heads(tmp_path / "h1.json"),
                        "--no-mmlu"],
             "heads": ["export", "--model", model_dir, "--heads", f, "--no-mmlu"],
@@ -83,7 +82,7 @@ def test_no_flag_input_inside_out_is_lost_even_with_force(tmp_path, model_dir, m
             "guard-texts": ["eval", "--model", model_dir, "--mmlu", mmlu, "--probes", "text", "--guard-texts", f]}[where]
     code, _, err = run_cli([*args, "--out", d, "--force", "--no-progress"], capsys)
     one_error(code, err, "contains the input")
-    assert _snapshot(d) == before
+    assert snapshot(d) == before
 
 
 # -- a NaN or infinity is never verified --------------------------------------------------------------------------------
@@ -332,11 +331,11 @@ def test_a_hand_edited_manifest_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def pruned_and_adapter(tmp_path_factory):
-    from test_lora import _adapter
+    from helpers import lora_adapter
 
     d = tmp_path_factory.mktemp("adapt")
     lm = tiny_model("llama")
-    adapter_dir, _ = _adapter(lm, d, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    adapter_dir, _ = lora_adapter(lm, d, ["q_proj", "k_proj", "v_proj", "o_proj"])
     pruned = d / "pruned"
     pruned.mkdir()
     export_pruned(lm, HeadSet.of({0: [0, 1, 2], 1: [4]}), pruned, ExportOptions(layout="per-layer", progress=False))
@@ -380,10 +379,10 @@ def _one(name, part):
 def test_adapt_refuses_what_it_cannot_slice_or_load(tmp_path, pruned_and_adapter, capsys, case, expect):
     adapter_dir, pruned = pruned_and_adapter
     bad = _adapter_copy(adapter_dir, tmp_path / "bad", **case)
-    before = _snapshot(bad)
+    before = snapshot(bad)
     code, _, err = run_cli(["adapt", bad, "--pruned", pruned, "--out", tmp_path / "a"], capsys)
     one_error(code, err, expect)
-    assert not (tmp_path / "a").exists() and _snapshot(bad) == before
+    assert not (tmp_path / "a").exists() and snapshot(bad) == before
 
 
 def test_adapt_words_a_full_out_without_a_resume_it_does_not_have(tmp_path, pruned_and_adapter, capsys):
@@ -412,21 +411,21 @@ def test_adapt_and_push_refuse_an_edited_manifest(tmp_path, pruned_and_adapter, 
 
 
 def test_push_refuses_before_it_creates_a_branch_or_changes_privacy(tmp_path, pruned_and_adapter):
+    from helpers import cli_subprocess
     from hub_server import HubServer
-    from test_hub import run
 
     _, pruned = pruned_and_adapter
     with HubServer() as server:
         env = {**os.environ, "HF_ENDPOINT": server.url, "HF_TOKEN": server.state.token, "HF_HOME": str(tmp_path / "hf"),
                "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
                "NO_PROXY": "127.0.0.1"}
-        assert run(["push", pruned, "--repo-id", "user/r"], env).returncode == 0
+        assert cli_subprocess(["push", pruned, "--repo-id", "user/r"], env).returncode == 0
         repo = server.state.repos["user/r"]
         for extra in (["--branch", "dev"], ["--private"], ["--private", "--branch", "dev2"]):
-            proc = run(["push", pruned, "--repo-id", "user/r", *extra], env)
+            proc = cli_subprocess(["push", pruned, "--repo-id", "user/r", *extra], env)
             assert proc.returncode == 2 and "already has files" in proc.stderr, proc.stderr
             assert set(repo["branches"]) == {"main"} and repo["private"] is False
-        proc = run(["push", pruned, "--repo-id", "user/r", "--branch", "dev", "--private", "--force"], env)
+        proc = cli_subprocess(["push", pruned, "--repo-id", "user/r", "--branch", "dev", "--private", "--force"], env)
         assert proc.returncode == 0, proc.stderr
         assert set(repo["branches"]) == {"main", "dev"} and repo["private"] is True
 
@@ -435,35 +434,29 @@ def test_push_refuses_before_it_creates_a_branch_or_changes_privacy(tmp_path, pr
 
 
 @pytest.mark.parametrize("where", ["spilled logits", "card"])
-def test_a_full_disk_is_decided_by_the_disk_not_the_words(tmp_path, model_dir, capsys, monkeypatch, where):
-    from test_faults import fill, free_up, small_disk  # noqa: F401  (the fixture)
+def test_a_full_disk_is_decided_by_the_disk_not_the_words(tmp_path, model_dir, small_disk, capsys, monkeypatch, where):
+    from helpers import fill, free_up
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)]).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
-        import exporters.export as export
-        import exporters.logits as logits
+    import exporters.export as export
+    import exporters.logits as logits
 
-        if where == "spilled logits":  # torch's zip writer: "unexpected pos ..." after an iostream error
-            real = logits.SpilledLogits.append
+    disk = small_disk
+    if where == "spilled logits":  # torch's zip writer: "unexpected pos ..." after an iostream error
+        real = logits.SpilledLogits.append
 
-            def append(self, tensor):
-                fill(disk, 1000)
-                real(self, tensor)
+        def append(self, tensor):
+            fill(disk, 1000)
+            real(self, tensor)
 
-            monkeypatch.setattr(logits.SpilledLogits, "append", append)
-        else:  # a library that words a full disk its own way
-            def card(meta):
-                fill(disk, 1000)
-                raise RuntimeError("basic_ios::clear: iostream error")
+        monkeypatch.setattr(logits.SpilledLogits, "append", append)
+    else:  # a library that words a full disk its own way
+        def card(meta):
+            fill(disk, 1000)
+            raise RuntimeError("basic_ios::clear: iostream error")
 
-            monkeypatch.setattr(export, "model_card", card)
-        code, _, err = run_cli(["export", "--model", model_dir, "--heads", _heads(tmp_path / "h.json"), "--no-mmlu",
-                                "--out", disk / "o", "--no-progress"], capsys)
-        one_error(code, err, "filled up while writing")
-        assert not (disk / "o").exists()
-        free_up(disk)
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        monkeypatch.setattr(export, "model_card", card)
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", _heads(tmp_path / "h.json"), "--no-mmlu",
+                            "--out", disk / "o", "--no-progress"], capsys)
+    one_error(code, err, "filled up while writing")
+    assert not (disk / "o").exists()
+    free_up(disk)

@@ -187,8 +187,7 @@ def test_the_main_command_verifies_a_budget_on_an_lm_eval_task(tmp_path, model_d
 
 def _generation_budget(model_dir, out, *extra):
     return ["--model", model_dir, "--task", "lm-eval:ph_mc", "--task-limit", "10", "--metric", "kl-text", "--kl-text",
-            "lm-eval:ph_gen", "--budget", "0.05nat", "--calibration-size", "4", "--no-guard", "--dtype", "float32",
-            "--out", out,
+            "lm-eval:ph_gen", "--budget", "0.05nat", "--calibration-size", "4", "--no-guard", "--out", out,
             "--no-progress", *extra]
 
 
@@ -201,11 +200,11 @@ def test_a_generative_task_is_a_budget_confirmed_on_unseen_documents_and_resumes
     def interrupted(self, point):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(confirmation._TextConfirmer, "passes", interrupted)
-    code, _, _ = run_cli(_generation_budget(model_dir, out), capsys)
+    with monkeypatch.context() as patch:  # (monkeypatch.undo would also undo conftest's float32 for --dtype auto)
+        patch.setattr(confirmation._TextConfirmer, "passes", interrupted)
+        code, _, _ = run_cli(_generation_budget(model_dir, out), capsys)
     partial = out.parent / f".{out.name}.partial"  # interrupted at the confirmation: its finished work kept
     assert code == 130 and any((partial / "cache").glob("generations-*.safetensors"))
-    monkeypatch.undo()
     def generated_again(*a, **k):
         raise AssertionError("the unablated generations were computed again on resume")
 

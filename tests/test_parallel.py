@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cais_file
 from safetensors.torch import load_file
-from test_mmlu import _cais_file
 from tiny import save_tiny
 
 from prune_heads.io.parallel import Ranks
@@ -106,7 +106,7 @@ def test_span_and_deal():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("parallel")
-    return save_tiny(d / "model", "llama"), _cais_file(d, n_subjects=5, per_subject=9)
+    return save_tiny(d / "model", "llama"), cais_file(d, n_subjects=5, per_subject=9)
 
 
 def args(setup, out, *extra):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import run_cli, save_tiny
 
 
@@ -24,7 +24,7 @@ def _device_map(tmp_path):
 
 
 def _main(model_dir, tmp_path, capsys, name, *extra, code=0):
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=12)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=12)
     got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", tmp_path / name, "--calibration-size", "4",
                            "--dtype", "float32", "--no-progress", "--budget", "100%", "--mmlu-per-subject", "3",
                            *extra], capsys)
@@ -42,7 +42,7 @@ def test_disk_offload_gives_the_same_search(model_dir, tmp_path, capsys):
 
 
 def test_disk_offload_eval_log_likelihoods_equal(model_dir, tmp_path, capsys):
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=12)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=12)
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"1": [0, 2], "3": [5]}))
     rows = {}

@@ -45,9 +45,9 @@ def test_budget_unit_beats_recipe_metric_but_explicit_metric_conflicts(tmp_path)
     model = tmp_path / "m"
     lm.model.save_pretrained(model)
     lm.tokenizer.save_pretrained(model)
-    from test_mmlu import _cais_file
+    from helpers import cais_file
 
-    mmlu = str(_cais_file(tmp_path))
+    mmlu = str(cais_file(tmp_path))
     recipe = tmp_path / "kl.yaml"
     recipe.write_text("name: kl\nmetric: kl\nbudget: 0.02nat\n")
     assert resolve_settings(str(model), str(recipe), mmlu=mmlu).metric == "kl"

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import run_cli, save_tiny
 
 from prune_heads.data.tasks import Question
@@ -94,7 +94,7 @@ def model_dir(tmp_path_factory):
 
 def _run(model_dir, tmp_path, capsys, *extra, code=0):
     out = tmp_path / "run"
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=40)  # 35 questions per subject after 5 exemplars
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=40)  # 35 questions per subject after 5 exemplars
     got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
                            "--dtype", "float32", "--no-progress", "--no-export", *extra], capsys)
     assert got == code, err

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import tiny_model
 
 from prune_heads.errors import UserError
@@ -24,7 +24,7 @@ def setup(tmp_path_factory):
     lm = tiny_model("qwen2")
     lm.model.save_pretrained(model)
     lm.tokenizer.save_pretrained(model)
-    mmlu = _cais_file(d, n_subjects=3, per_subject=11)
+    mmlu = cais_file(d, n_subjects=3, per_subject=11)
     return model, mmlu
 
 
@@ -198,12 +198,12 @@ def test_pickled_weights_are_refused_unless_allowed(tmp_path, capsys):
     assert (d / "pytorch_model.bin").exists() and not list(d.glob("*.safetensors"))
     with pytest.raises(SystemExit) as e:
         main(["score", "--model", str(d), "--out", str(tmp_path / "o"), "--calibration-size", "2", "--no-progress",
-              "--mmlu", str(_cais_file(tmp_path))])
+              "--mmlu", str(cais_file(tmp_path))])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--allow-pickle" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(SystemExit) as e:
         main(["score", "--model", str(d), "--out", str(tmp_path / "o"), "--calibration-size", "2", "--no-progress",
-              "--mmlu", str(_cais_file(tmp_path)), "--allow-pickle"])
+              "--mmlu", str(cais_file(tmp_path)), "--allow-pickle"])
     assert e.value.code == 0 and (tmp_path / "o" / "scores.json").is_file()
 
 

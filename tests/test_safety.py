@@ -2,17 +2,12 @@
 and a checkpoint that does not hold every weight is refused instead of filled at random."""
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
+from helpers import snapshot
 from safetensors.torch import load_file, save_file
 from tiny import run_cli, save_tiny
-
-
-def _snapshot(directory):
-    return {p.relative_to(directory): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -36,10 +31,10 @@ def test_resume_on_a_directory_the_user_filled_deletes_nothing(tmp_path, model_d
     (mine / "notes").mkdir(parents=True)
     (mine / "thesis.tex").write_text("years of work")
     (mine / "notes" / "a.txt").write_text("more")
-    before = _snapshot(mine)
+    before = snapshot(mine)
     code, _, err = run_cli(_export(model_dir, heads, mine, "--resume"), capsys)
     assert code == 2 and "was not written by prune-heads, so there is nothing to resume" in err
-    assert _snapshot(mine) == before and len(err.strip().splitlines()) == 1
+    assert snapshot(mine) == before and len(err.strip().splitlines()) == 1
 
 
 def test_resume_continues_a_finished_run_of_ours(tmp_path, model_dir, heads, capsys):
@@ -54,10 +49,10 @@ def test_resume_continues_a_finished_run_of_ours(tmp_path, model_dir, heads, cap
 def test_out_equal_to_containing_or_inside_the_model_is_refused_even_with_force(tmp_path, model_dir, heads, where,
                                                                                 capsys):
     out = {"model": model_dir, "parent": tmp_path, "inside": model_dir / "pruned"}[where]
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     code, _, err = run_cli(_export(model_dir, heads, out, "--force"), capsys)
     assert code == 2 and "writing there would destroy it (even with --force)" in err
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_out_equal_to_an_input_file_directory_is_refused(tmp_path, model_dir, heads, capsys):

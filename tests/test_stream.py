@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import EVEN, UNEVEN
 from safetensors import safe_open
-from test_export import EVEN, UNEVEN
 from tiny import FAMILIES, tiny_model
 
 from exporters.export import ExportOptions, export_pruned

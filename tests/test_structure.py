@@ -101,6 +101,30 @@ def _imported_from(tree: ast.Module, name: str, modules: dict[str, Path]) -> dic
     return {k: v for k, v in found.items() if v in modules}
 
 
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+def test_no_untyped_parameter_hides_a_later_stage():
+    """A parameter named after a class of a later stage (``run``: the pipeline's Run, ``verifier``: the search's
+    Verifier) must be typed: untyped, it carries a later stage's object past the import check unseen."""
+    modules = _modules()
+    defined: dict[str, set[int]] = {}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(_snake(node.name), set()).add(stage_of(name))
+    hidden = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    later = {STAGES[s] for s in defined.get(a.arg, ()) if s > stage_of(name)}
+                    if a.annotation is None and later:
+                        hidden.append(f"{name}.{node.name}({a.arg}): untyped, named after a class of {later}")
+    assert hidden == []
+
+
 def test_no_callable_is_passed_from_one_stage_into_another():
     """Stages are joined by typed values: no parameter typed Callable, and no lambda or function of ours handed to a
     function of another stage."""

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import run_cli, save_tiny
 
 from prune_heads.data.tasks import Question
@@ -122,7 +122,7 @@ def model_dir(tmp_path_factory):
 def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys, monkeypatch):
     import prune_heads.eval.work as work
 
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=9)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=9)
     out = tmp_path / "study"
     args = ["study", "--model", model_dir, "--mmlu", mmlu, "--out", out, "--no-progress", "--percents", "0,10,30",
             "--budget", "5%", "--calibration-size", "4"]
@@ -176,7 +176,7 @@ def test_study_ranking_correlation_by_hand():
 
 
 def test_study_on_another_task(model_dir, tmp_path, capsys):
-    from test_tasks import write_rows
+    from helpers import write_rows
 
     out = tmp_path / "piqa-study"
     code, _, err = run_cli(["study", "--model", model_dir, "--task", "piqa", "--task-data", write_rows(tmp_path, "piqa"),

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file, write_rows
 from tiny import run_cli, save_tiny, tiny_model
 
 from prune_heads.data.mmlu import load_mmlu
@@ -18,47 +18,6 @@ from prune_heads.eval.textkl import next_token_kl
 from prune_heads.heads import HeadSet
 from prune_heads.plan.ablation import ablate
 
-# --- fixture files in the Hub schemas -----------------------------------------------------------------------------
-
-ARC = [
-    {"id": "a1", "question": "Which part of the arm is a bone?", "answerKey": "B",
-     "choices": {"text": ["Femur", "Humerus", "Tibia", "Fibula"], "label": ["A", "B", "C", "D"]}},
-    {"id": "a2", "question": "What do plants need?", "answerKey": "3",
-     "choices": {"text": ["Rocks", "Salt", "Light"], "label": ["1", "2", "3"]}},  # 3 choices, numeric labels
-    {"id": "a3", "question": "Pick the fox.", "answerKey": "E",
-     "choices": {"text": ["dog", "cat", "the quick brown fox", "lazy", "jumps"], "label": ["A", "B", "C", "D", "E"]}},
-    {"id": "bad", "question": "No key", "answerKey": "Z", "choices": {"text": ["a", "b"], "label": ["A", "B"]}},
-]
-HELLASWAG = [
-    {"ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes smiles.",
-     "ctx_b": "then", "ctx": "...", "endings": [", the man adds wax to the windshield and cuts it.", ", a person board a ski lift, while two men supporting the head of the person wearing winter clothes snow as the we girls sled.", ", the man puts on a christmas coat, knitted with netting.", ", the man continues removing the snow on his car."],
-     "source_id": "x", "split": "val", "split_type": "indomain", "label": "3"},
-    {"ind": 9, "activity_label": "Baking cookies", "ctx_a": "A woman is in a kitchen. [title] She mixes flour.", "ctx_b": "she",
-     "ctx": "...", "endings": ["bakes the  dough [step] in the oven.", "eats it.", "sings.", "leaves."],
-     "source_id": "y", "split": "val", "split_type": "indomain", "label": "0"},
-    {"ind": 10, "activity_label": "x", "ctx_a": "y", "ctx_b": "z", "ctx": "", "endings": ["a", "b", "c", "d"], "label": ""},
-]
-PIQA = [
-    {"goal": "How do I ready a guinea pig cage for it's new occupants?", "sol1": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, you will also need to supply it with a water bottle and a food dish.", "sol2": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans material, you will also need to supply it with a water bottle and a food dish.", "label": 0},
-    {"goal": "To open a jar", "sol1": "twist the lid.", "sol2": "push the lid.", "label": 0},
-    {"goal": "unlabelled test row", "sol1": "a", "sol2": "b", "label": -1},
-]
-WINOGRANDE = [
-    {"sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.", "option1": "Sarah",
-     "option2": "Maria", "answer": "1"},
-    {"sentence": "The trophy does not fit in the suitcase because the _ is too big.", "option1": "trophy",
-     "option2": "suitcase", "answer": "1"},
-    {"sentence": "no answer _ here", "option1": "a", "option2": "b", "answer": ""},
-]
-FIXTURES = {"arc_easy": ARC, "arc_challenge": ARC, "hellaswag": HELLASWAG, "piqa": PIQA, "winogrande": WINOGRANDE}
-
-
-def write_rows(tmp_path, task):
-    path = tmp_path / f"{task}.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in FIXTURES[task]))
-    return path
-
-
 # --- prompts, written by hand from lm-evaluation-harness's task definitions -----------------------------------------
 
 
@@ -70,14 +29,14 @@ def requests(task, data, i=0):
 def test_mmlu_cloze_prompt_matches_lm_eval(tmp_path):
     # tasks/mmlu/continuation: description "The following are questions (with answers) about {subject}.\n\n",
     # doc_to_text "Question: {{question.strip()}}\nAnswer:", doc_to_choice "{{choices}}", target delimiter " ", 0-shot.
-    data = load_mmlu(str(_cais_file(tmp_path)), task="mmlu-cloze")
+    data = load_mmlu(str(cais_file(tmp_path)), task="mmlu-cloze")
     q = data.subjects[0].questions[0]
     assert data.task == "mmlu-cloze" and q.norm_lengths == (5.0, 7.0, 5.0, 6.0)
     assert requests("mmlu-cloze", data) == [
         ("The following are questions (with answers) about subject 0.\n\nQuestion: Which answer is right for item 5 of "
          "set 0? The quick brown fox.\nAnswer:", " " + c) for c in ["Femur", "Humerus", "Tibia", "Fibula"]]
     # Same split as the letter task, so the two compare question by question.
-    letters = load_mmlu(str(_cais_file(tmp_path)))
+    letters = load_mmlu(str(cais_file(tmp_path)))
     assert [x.index for x in letters.questions] == [x.index for x in data.questions]
     assert letters.questions[0].norm_lengths is None
 
@@ -173,7 +132,7 @@ def test_batched_path_equals_reference_on_multi_token_tasks(tmp_path, family, ta
 
 def test_mmlu_cloze_batched_many_sets_and_dynamic_masks_equal_reference(tmp_path):
     lm = tiny_model("llama")
-    enc = encode_task(lm, load_mmlu(str(_cais_file(tmp_path, per_subject=7)), task="mmlu-cloze"))
+    enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, per_subject=7)), task="mmlu-cloze"))
     sets = [HeadSet(), HeadSet.of({1: [0, 3]})]
     for hs, res in zip(sets, evaluate_many(lm, enc, sets, batch_size=4, progress=False)):
         ref = evaluate_reference(lm, enc, hs)
@@ -229,7 +188,7 @@ def test_eval_on_piqa_with_ablation_reports_kl_and_agreement(model_dir, tmp_path
 
 
 def test_main_command_with_a_next_token_kl_budget_and_contradictions(model_dir, tmp_path, capsys):
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=12)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=12)
     out = tmp_path / "run"
     code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--mmlu-per-subject", "3", "--metric", "kl-text",
                             "--budget", "0.05nat", "--calibration-size", "4", "--no-export", "--no-progress",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_mmlu import _cais_file
+from helpers import cais_file
 from tiny import FnEvaluator, run_cli, save_tiny, tiny_model
 
 from prune_heads.heads import HeadSet
@@ -103,7 +103,7 @@ def model_dir(tmp_path_factory):
 def _run(model_dir, tmp_path, capsys, *extra):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "run"
-    mmlu = _cais_file(tmp_path, n_subjects=2, per_subject=9)
+    mmlu = cais_file(tmp_path, n_subjects=2, per_subject=9)
     budget = [] if "--budget" in extra else ["--budget", "100%"]
     code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
                             "--dtype", "float32", "--no-progress", *budget, *extra], capsys)

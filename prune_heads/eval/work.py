@@ -172,10 +172,10 @@ class Work:
         if self.ranks.size == 1:
             return score_heads(self.lm, seqs, self.batch_size, self.progress)
         tables: dict[str, torch.Tensor] = {}
-        def run(mine):
+        def step(mine):
             return score_heads(self.lm, [seqs[i] for i in mine], self.batch_size, self.progress).per_input
 
-        for idx, part in self._on_text_share(seqs, False, run):
+        for idx, part in self._on_text_share(seqs, False, step):
             for key, value in part.items():
                 tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
         return ScoreTable(tables, [len(s) for s in seqs])
@@ -185,34 +185,34 @@ class Work:
         if self.ranks.size == 1:
             return next_token_kl(self.lm, sequences, target, self.batch_size, scored)
         out = torch.zeros(len(sequences), dtype=torch.float64)
-        def run(mine):
+        def step(mine):
             return next_token_kl(self.lm, [sequences[i] for i in mine], target, self.batch_size,
                                  None if scored is None else [scored[i] for i in mine])
 
-        for idx, part in self._on_text_share(sequences, True, run):
+        for idx, part in self._on_text_share(sequences, True, step):
             out[idx] = part
         return out
 
-    def _on_text_share(self, sequences: list[list[int]], full_logits: bool, run) -> list[tuple[list[int], object]]:
-        """``run(indices)`` on this rank's deal of the single-process batches (batching.text_batches: ``run``
+    def _on_text_share(self, sequences: list[list[int]], full_logits: bool, step) -> list[tuple[list[int], object]]:
+        """``step(indices)`` on this rank's deal of the single-process batches (batching.text_batches: ``step``
         cuts this rank's share of ``sequences`` into the same batches); every rank's (indices, result) back, ranks
         with no batch left out."""
         batches = text_batches(self.lm, sequences, self.batch_size, full_logits)
         mine = [i for batch in self.ranks.deal(batches) for i in batch]
-        parts = self.ranks.gather((mine, run(mine) if mine else None))
+        parts = self.ranks.gather((mine, step(mine) if mine else None))
         return [(idx, part) for idx, part in parts if idx]
 
-    def _on_task_share(self, enc: EncodedTask, masks, run) -> list[EvalResult]:
-        """``run(task part, its masks) -> [EvalResult, ...]`` on this rank's span of whole subjects (cut inside a
+    def _on_task_share(self, enc: EncodedTask, masks, step) -> list[EvalResult]:
+        """``step(task part, its masks) -> [EvalResult, ...]`` on this rank's span of whole subjects (cut inside a
         subject only when there are fewer subjects than ranks), gathered into results on every question in order."""
         if self.ranks.size == 1:
-            return run(enc, masks)
+            return step(enc, masks)
         sizes = [len(s.items) for s in enc.subjects]
         cuts = list(itertools.accumulate(sizes)) if len(sizes) >= self.ranks.size else None
         lo, hi = self.ranks.span(sizes, cuts)
         if isinstance(masks, torch.Tensor) and masks.dim() == 3:  # a mask per question
             masks = masks[lo:hi]
-        results = run(task_span(enc, lo, hi), masks)
+        results = step(task_span(enc, lo, hi), masks)
         width = enc.num_choices
         parts = self.ranks.gather([torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[-1]),
                                                            value=float("-inf")) for r in results])

@@ -173,8 +173,9 @@ def say_resolution(run: Run, resolution: Resolution | None) -> str | None:
     unit = "nat" if resolution.budget.in_nats else "pt"
     fix = ("more held-out texts (kl_text_size: N in a `recipe` file)" if run.settings.metric == "kl-text"
            else f"`mmlu_per_subject` auto (about {resolution.questions_for(resolution.budget.limit):,} questions)")
+    what = "held-out texts" if run.settings.metric == "kl-text" else "questions"
     warning = (f"the budget ({resolution.budget.limit:g} {unit}) is smaller than the +/-{resolution.half_width():.3g} "
-               f"{unit} that {resolution.questions} questions resolve: points within budget cannot be told from points "
+               f"{unit} that {resolution.questions} {what} resolve: points within budget cannot be told from points "
                f"beyond it; use {fix}")
     warn(warning)
     return warning

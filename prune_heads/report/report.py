@@ -10,6 +10,8 @@ from prune_heads.data.lm_eval_tasks import is_lm_eval
 from prune_heads.data.tasks import results_file
 from prune_heads.eval.results import EvalResult, accuracy_summary
 from prune_heads.io.files import write_json, write_jsonl
+from prune_heads.models.loading import LoadedModel
+from prune_heads.search.selection import Selection
 
 
 def versions() -> dict:
@@ -89,27 +91,14 @@ def scores_payload(table, calibration: str) -> dict:
     }
 
 
-def architecture_summary(lm) -> dict:
+def architecture_summary(lm: LoadedModel) -> dict:
     geos = lm.arch.geometries(lm.model)
     return {"model_type": lm.config.model_type, "adapter": lm.arch.name, "layers": len(geos),
             "heads_per_layer": [g.num_heads for g in geos], "kv_heads_per_layer": [g.num_kv_heads for g in geos],
             "head_dim": geos[0].head_dim}
 
 
-def task_summary(run, held_out) -> dict:
-    """The task the run verified on, and the held-out texts of the next-token KL (``held_out``: HeldOutText)."""
-    from prune_heads.data.tasks import task_format
-
-    data, enc = run.inputs.questions, run.enc
-    kl_text = None if held_out is None else {"source": held_out.source, "texts": len(held_out.sequences),
-                                             "tokens": sum(len(x) for x in held_out.sequences)}
-    return {"name": run.settings.task, "metric": task_format(run.settings.task).metric, "source": data.source,
-            "questions": len(enc), "subjects": len(enc.subjects), "skipped_rows": data.skipped_rows,
-            "exemplars": data.exemplar_source, "fast_path_questions": sum(it.fast for it in enc.items),
-            "kl_text": kl_text}
-
-
-def final_summary(selection, baseline: EvalResult, gqa: str) -> dict:
+def final_summary(selection: Selection, baseline: EvalResult, gqa: str) -> dict:
     from prune_heads.eval.results import agreement, answer_kl
 
     result, heads = selection.result, selection.heads
@@ -119,29 +108,3 @@ def final_summary(selection, baseline: EvalResult, gqa: str) -> dict:
             "agreement": round(agreement(result, baseline), 6), "num_heads_removed": len(heads),
             "fraction_removed": round(len(heads) / selection.total, 6), "gqa": gqa,
             **({"shipped": selection.savings} if selection.savings else {})}
-
-
-def prune_report(run, scored, verifier, selection, gqa_options: dict, warnings: list[str]) -> dict:
-    """report.json of the main job (the command adds confirmation, resolution, export): everything needed to audit
-    the run. ``scored``: the pipeline's Scored (scores and their calibration source)."""
-    s, budget = run.settings, run.settings.budget
-    return {
-        "model": run.lm.source.to_json(),
-        "dtype": run.lm.extra.get("dtype_choice"),
-        "architecture": architecture_summary(run.lm),
-        "recipe": s.recipe.to_json(),
-        "settings": s.to_json(),
-        "versions": versions(),
-        "task": task_summary(run, verifier.kl_text),
-        "budget": {"text": budget.text, "metric": budget.metric, "points": budget.limit,
-                   "decision": budget.rule, "definition": budget_definition(budget, s.task)},
-        "scorer": s.scorer,
-        "search": {"units": s.units, "objective": s.objective, "layout": verifier.layout},
-        **scores_payload(scored.table, scored.calibration),
-        "baseline": accuracy_summary(verifier.baseline),
-        "final": final_summary(selection, verifier.baseline, s.gqa),
-        "points": selection.points(),
-        "heads": selection.heads.to_json(),
-        "gqa_options": gqa_options,
-        "warnings": warnings,
-    }

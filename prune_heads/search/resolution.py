@@ -48,9 +48,10 @@ class Resolution:
 
     def describe(self, full: int | None = None, task: str = "mmlu") -> str:
         unit = "nat" if self.budget.in_nats else "pt"
-        text = (f"{self.questions} questions resolve +/-{self.half_width():.3g} {unit} at the budget's edge "
+        what = "held-out texts" if self.budget.metric == "kl-text" else "questions"
+        text = (f"{self.questions} {what} resolve +/-{self.half_width():.3g} {unit} at the budget's edge "
                 f"(budget {self.budget.limit:g} {unit}; estimated from {self.pilot})")
-        if full and full != self.questions:
+        if full and full != self.questions and what == "questions":
             text += f"; the full {task} ({full:,} questions) would resolve +/-{self.half_width(full):.3g} {unit}"
         return text
 
