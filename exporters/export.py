@@ -28,10 +28,10 @@ from exporters.stream import streamable
 from prune_heads import memory
 from prune_heads.console import say
 from prune_heads.errors import UserError
+from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask
 from prune_heads.eval.passes import evaluate
 from prune_heads.eval.results import EvalResult, agreement, answer_kl, paired_delta
-from prune_heads.eval.work import Work
 from prune_heads.heads import HeadSet
 from prune_heads.io.diskspace import check_space, disk_full_reported
 from prune_heads.io.files import sha256_file, write_json, write_text

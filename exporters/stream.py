@@ -9,7 +9,7 @@ was written, the main command's peak).
 
 A pruned layer's attention is rebuilt on an empty (``meta``) copy of the model's skeleton: that one module is
 filled from the source tensors and sliced by the same code that prunes a model in memory
-(``pruning.apply_layer_plan``), and its state dict is written in place of the original's. Output shards are cut at
+(``plan.slicing.apply_layer_plan``), and its state dict is written in place of the original's. Output shards are cut at
 ``max_shard_size`` with the index ``from_pretrained`` reads, as ``save_pretrained`` writes them.
 """
 from __future__ import annotations

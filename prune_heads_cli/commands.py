@@ -1,7 +1,7 @@
 """The shipping commands, the main job and ``export``: the named stages of ``prune_heads.pipeline.stages`` followed
 by an exporter, and the report assembled from their results (the measuring commands: measure.py).
 
-Every command writes into a staging directory beside ``--out`` (``fileio.StagedDirectory``) that is renamed into
+Every command writes into a staging directory beside ``--out`` (``io.files.StagedDirectory``) that is renamed into
 place only when the command finished: an interrupted run leaves nothing under the final name and resumes from its
 cache when rerun. This is the only layer that knows both the core (``prune_heads``) and the exporters.
 """

@@ -93,7 +93,7 @@ def _simulated_search(seed: int, n: int = 300, budget: float = 2.0):
         true[k] = 0.5 * k
         return result(outcomes(true[k], base))
 
-    from prune_heads.search.prefixes import SearchOptions, search_budget
+    from prune_heads.search.budget_search import SearchOptions, search_budget
 
     ranking = [(0, h) for h in range(12)]
     res = search_budget(ranking, FnEvaluator(evaluate, baseline, Budget(budget)), SearchOptions(grid=tuple(k / 12 for k in range(1, 13)), patience=12, refine_steps=0))

@@ -284,7 +284,7 @@ def test_bad_guard_flags_are_one_line_errors(model_dir, tmp_path, capsys, flags,
 def test_zeroing_the_heads_the_probes_find_retrieving_is_refused_on_the_embedded_model():
     """SmolLM2-135M retrieves a key from 256 tokens of filler; the 13 heads that attend most from the question to the
     key (on other prompts) carry it: zeroed, retrieval collapses and the guard refuses them."""
-    from prune_heads.eval.work import Work
+    from prune_heads.eval.cached_steps import Work
     from prune_heads.heads import HeadSet
     from prune_heads.models.loading import load_model
     from prune_heads.scoring.retrieval import retrieval_scores

@@ -7,7 +7,7 @@ from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult
 from prune_heads.heads import HeadSet
 from prune_heads.search.budget import Budget
-from prune_heads.search.prefixes import SearchOptions, search_budget
+from prune_heads.search.budget_search import SearchOptions, search_budget
 
 
 @pytest.mark.parametrize("text,points", [("1%", 1.0), ("0.5", 0.5), ("2pt", 2.0), (" 1.5 % ", 1.5), ("3 points", 3.0), (".5", 0.5)])

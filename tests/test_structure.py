@@ -5,6 +5,7 @@ CI)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -201,3 +202,26 @@ def test_no_function_over_60_lines_and_no_line_over_120():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long_functions.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert long_functions == [] and long_lines == []
+
+
+# Files named in the code that are not ours: written into every per-layer export, and llama.cpp's converter; and the
+# recipes' package name in the wheel (recipes/ ships as prune_heads.recipe_files).
+NOT_OURS = {"modeling_pruned.py", "convert_hf_to_gguf.py"}
+NOT_MODULES = {"prune_heads.recipe_files"}
+
+
+def test_no_docstring_or_comment_names_a_module_that_does_not_exist():
+    """``NAME.py`` and ``prune_heads.x.y`` / ``exporters.x`` in docstrings and comments name files and modules that
+    exist (a renamed module leaves no stale pointer behind)."""
+    files = {p.name for package in (*PACKAGES, "tests", "benchmarks") for p in (ROOT / package).rglob("*.py")}
+    files |= NOT_OURS
+    modules, stale = _modules(), []
+    for name, path in modules.items():
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            stale += [f"{path.relative_to(ROOT)}:{i}: {m}" for m in re.findall(r"\b\w+\.py\b", line) if m not in files]
+            for dotted in re.findall(r"\b((?:prune_heads|prune_heads_cli|exporters)(?:\.\w+)+)", line):
+                parts = dotted.split(".")
+                known = any(".".join(parts[:k]) in modules for k in range(2, len(parts) + 1))
+                if not known and parts[1] != "json" and dotted not in NOT_MODULES:
+                    stale.append(f"{path.relative_to(ROOT)}:{i}: {dotted}")
+    assert stale == []

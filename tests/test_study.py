@@ -9,8 +9,8 @@ from tiny import run_cli, save_tiny
 
 from prune_heads.data.tasks import Question
 from prune_heads.errors import UserError
+from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.results import EvalResult
-from prune_heads.eval.work import Work
 from prune_heads.heads import ScoreTable
 from prune_heads.report.study import StudyPlan, max_within, normalised_auc, study_curves, thresholds
 
@@ -120,7 +120,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys, monkeypatch):
-    import prune_heads.eval.work as work
+    import prune_heads.eval.cached_steps as work
 
     mmlu = cais_file(tmp_path, n_subjects=2, per_subject=9)
     out = tmp_path / "study"

@@ -12,7 +12,7 @@ from tiny import FnEvaluator, run_cli, save_tiny, tiny_model
 from prune_heads.heads import HeadSet
 from prune_heads.plan.planner import Planner, plan_masked
 from prune_heads.search.budget import Budget
-from prune_heads.search.prefixes import SearchOptions, search_budget
+from prune_heads.search.budget_search import SearchOptions, search_budget
 from prune_heads.search.units import UnitRanking, gqa_units
 
 

@@ -120,7 +120,7 @@ def run_cli(args, capsys):
 
 
 class FnEvaluator:
-    """The search's evaluator (search.prefixes.PointEvaluator) over a function of the head set, for tests."""
+    """The search's evaluator (search.budget_search.PointEvaluator) over a function of the head set, for tests."""
 
     def __init__(self, evaluate, baseline, budget, savings=None):
         self._evaluate, self.baseline, self.budget, self._savings = evaluate, baseline, budget, savings

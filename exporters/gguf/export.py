@@ -1,6 +1,6 @@
 """The GGUF stage of an export: write ``model.gguf``, then prove it in llama.cpp.
 
-In order: write the pruned model (gguf_file.py); write the unpruned model the same way and measure its round trip
+In order: write the pruned model (writer.py); write the unpruned model the same way and measure its round trip
 against the unablated model (what llama.cpp's arithmetic and the tensor type alone cost); run the pruned GGUF in
 llama.cpp on the sample prompts and compare its logits with the verified ablation (max |diff| within twice the round
 trip's, or of the masked twin's where larger, plus 1e-3 (the twin: the same heads zeroed in the unpruned shapes,

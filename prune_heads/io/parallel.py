@@ -1,7 +1,7 @@
 """Several processes, one answer: the same command under ``torchrun --nproc-per-node N`` (or ``accelerate launch``)
 shares the expensive work across processes with torch.distributed (NCCL between GPUs, gloo on CPU).
 
-What is shared out (``work.py`` does it; this module only knows ranks):
+What is shared out (``cached_steps.py`` does it; this module only knows ranks):
 - calibration inputs and held-out texts: whole batches of the single-process order (longest first), dealt
   round-robin, so every batch a rank runs is one a single process would run;
 - the task's questions: contiguous spans of whole subjects (each rank runs its subjects' shared prefixes and question

@@ -2,11 +2,11 @@
 and how many rows one pass may hold.
 
 Free text goes longest first, ``batch_size`` at a time, so similar lengths pad together; sharing work across
-processes deals out these same batches (work.py). A pass's activations (and the KV caches the task passes copy per
-row) grow with its rows x tokens while the weights stay fixed: on a small model with long prompts four rows of 1,024
-tokens hold as much as the weights themselves. :class:`PassBudget` caps one pass at :data:`ACTIVATION_SHARE` of the
-weights' bytes (never under one row), so memory stays near the weights on every model; on models of a billion
-parameters and more the cap is far above ``--batch-size`` and changes nothing.
+processes deals out these same batches (eval/cached_steps.py). A pass's activations (and the KV caches the task
+passes copy per row) grow with its rows x tokens while the weights stay fixed: on a small model with long prompts four
+rows of 1,024 tokens hold as much as the weights themselves. :class:`PassBudget` caps one pass at
+:data:`ACTIVATION_SHARE` of the weights' bytes (never under one row), so memory stays near the weights on every
+model; on models of a billion parameters and more the cap is far above ``--batch-size`` and changes nothing.
 """
 from __future__ import annotations
 

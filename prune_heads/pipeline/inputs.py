@@ -25,9 +25,9 @@ from prune_heads.data.lm_eval_tasks import (
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import MMLU_TASKS, TaskData, load_task, task_format
 from prune_heads.errors import UserError
+from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask
 from prune_heads.eval.textkl import HeldOutText
-from prune_heads.eval.work import Work
 from prune_heads.models.loading import LoadedModel, ModelSource, load_config, resolve_source
 from prune_heads.models.tokens import encode
 from prune_heads.pipeline.settings import Settings

@@ -22,7 +22,7 @@ from prune_heads.models.loading import (
 from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.pipeline.recipes import Recipe, load_recipe, recipe_for
 from prune_heads.search.budget import METRIC_TASKS, Budget
-from prune_heads.search.prefixes import DEFAULT_GRID
+from prune_heads.search.budget_search import DEFAULT_GRID
 
 
 @dataclass(frozen=True)

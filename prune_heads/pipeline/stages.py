@@ -26,9 +26,9 @@ import torch
 
 from prune_heads.console import say, warn
 from prune_heads.data.probes import ProbeOptions, ProbeSet, build_probes, probe_lengths
+from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask, encode_task
 from prune_heads.eval.results import EvalResult, chance_warning
-from prune_heads.eval.work import Work
 from prune_heads.heads import ScoreTable
 from prune_heads.io.cache import tokens_digest
 from prune_heads.io.files import StagedDirectory, sha256_file
@@ -46,10 +46,10 @@ from prune_heads.pipeline.inputs import (
 from prune_heads.pipeline.settings import Settings
 from prune_heads.plan.healing import HealConfig, Healer
 from prune_heads.plan.planner import Planner, planner_for
+from prune_heads.search.budget_search import SearchOptions
 from prune_heads.search.confirmation import ConfirmationQuestions, confirm
 from prune_heads.search.guard import Guard, GuardSetup
 from prune_heads.search.guard_sizing import GENERATED, Sizing, resolutions, size, unresolved_warning
-from prune_heads.search.prefixes import SearchOptions
 from prune_heads.search.resolution import Resolution, per_subject_for
 from prune_heads.search.selection import (
     Selection,

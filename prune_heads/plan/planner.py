@@ -5,7 +5,7 @@ Stock attention code needs every KV group of a layer to hold the same number of 
 query slot (``None``: a dummy head with zero weights, used to pad a layer up to a uniform shape) and which
 original KV head each new KV slot copies (a KV head may be copied, so unequal groups become equal exactly).
 
-Both the verification ablation (``ablation``) and the physical slicing (``pruning``) read the same plan, so what is
+Both the verification ablation (``ablation``) and the physical slicing (``slicing``) read the same plan, so what is
 verified is what is shipped. Export layouts:
 
 - ``uniform``: every layer has the same query/KV head counts: a stock config, no remote code.

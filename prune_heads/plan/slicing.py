@@ -1,6 +1,6 @@
 """PrunePlan -> smaller weights: each layer's q/k/v/o (and cross-head norms) sliced as the plan says.
 
-The plan (planning.py) decides which original head sits in each new slot; this module only moves rows and columns.
+The plan (planner.py) decides which original head sits in each new slot; this module only moves rows and columns.
 How a family stores its projections and how its modules learn their new head counts is its architecture
 adapter's business.
 """

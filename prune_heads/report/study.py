@@ -15,7 +15,7 @@ Per function and mode: the largest % zeroed within the budget, by linear interpo
 (the last crossing of baseline - budget), and the normalised area under the accuracy curve (trapezoid area / x
 range). Functions are ranked by the first, then the second. The max % comes with a 95% bootstrap interval over
 questions, and the ranking says which functions cannot be told apart on these questions. Every evaluation is
-cached (work.py), so a study resumes where it stopped and a later study with more functions reuses what is done.
+cached (cached_steps.py), so a study resumes where it stopped and a later study with more functions reuses what is done.
 """
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ from typing import Protocol
 import torch
 
 from prune_heads.data.probes import ProbeSet
+from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask
 from prune_heads.eval.probes import ProbeResult
 from prune_heads.eval.results import EvalResult, Judged, accuracy_summary, agreement, answer_kl
-from prune_heads.eval.work import Work
 
 # What each probe's study accuracy is: a greedy key match, or the share of target tokens predicted.
 PROBE_ACCURACY = {"passkey": "match", "copy": "token_accuracy", "text": "token_accuracy"}

@@ -25,8 +25,8 @@ from prune_heads.eval.results import accuracy_summary, paired_delta
 from prune_heads.heads import HeadSet
 from prune_heads.plan.planner import objective_value
 from prune_heads.search.budget import judge
+from prune_heads.search.budget_search import Prefixes
 from prune_heads.search.guard import Guard, per_length
-from prune_heads.search.prefixes import Prefixes
 from prune_heads.search.selection import Selection
 from prune_heads.search.units import UnitRanking
 from prune_heads.search.verifier import Verifier

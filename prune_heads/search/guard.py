@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from prune_heads.console import say
 from prune_heads.data.probes import ProbeSet
 from prune_heads.errors import UserError
+from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.probes import ProbeResult
-from prune_heads.eval.work import Work
 from prune_heads.search.guard_sizing import ProbeResolution, Sizing
 from prune_heads.timings import stage
 

@@ -1,5 +1,5 @@
-"""The search stage: rank heads by the scorer, find the largest dormant prefix within budget (search.py), and with
-``--gqa balanced`` make it remove the same number of heads from every KV group (re-verified)."""
+"""The search stage: rank heads by the scorer, find the largest dormant prefix within budget (budget_search.py), and
+with ``--gqa balanced`` make it remove the same number of heads from every KV group (re-verified)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from prune_heads.eval.results import EvalResult, PairedDelta
 from prune_heads.heads import HeadSet, ScoreTable, score_direction
 from prune_heads.plan.planner import balanced_selection
 from prune_heads.search.budget import judge
-from prune_heads.search.prefixes import SearchOptions, SearchPoint, SearchResult, search_budget
+from prune_heads.search.budget_search import SearchOptions, SearchPoint, SearchResult, search_budget
 from prune_heads.search.resolution import Resolution, predict
 from prune_heads.search.units import UnitRanking, gqa_units, head_units
 from prune_heads.search.verifier import Verifier

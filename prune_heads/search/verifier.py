@@ -3,7 +3,8 @@ re-verification ask "how does the model do without these heads?".
 
 Without healing, a head set is evaluated as an ablation of the loaded model: the heads themselves, or for families
 whose q/k norms span all heads (OLMo-2) the export plan, so the ablation computes exactly what the pruned model
-will. With ``--heal-in-search`` a point is the pruned model after LoRA healing. Every evaluation is cached (work.py).
+will. With ``--heal-in-search`` a point is the pruned model after LoRA healing. Every evaluation is cached
+(cached_steps.py).
 """
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from prune_heads.console import say
+from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask, split_blocks
 from prune_heads.eval.results import EvalResult, in_order_of, restricted
 from prune_heads.eval.textkl import HeldOutText
-from prune_heads.eval.work import Work
 from prune_heads.heads import HeadSet
 from prune_heads.io.cache import digest
 from prune_heads.models.loading import LoadedModel
@@ -42,7 +43,7 @@ class VerifierSetup:
 
 
 class Verifier:
-    """The search's evaluator (search.prefixes.PointEvaluator): the unablated baseline, the budget, each head set's
+    """The search's evaluator (search.budget_search.PointEvaluator): the unablated baseline, the budget, each head set's
     evaluation as it would ship, and what its export saves."""
 
     def __init__(self, work: Work, planner: Planner, enc: EncodedTask, setup: VerifierSetup, baseline: EvalResult):
