@@ -1,7 +1,7 @@
 """The shipping commands, the main job and ``export``: the named stages of ``prune_heads.pipeline.stages`` followed
 by an exporter, and the report assembled from their results (the measuring commands: measure.py).
 
-Every command writes into a staging directory beside ``--out`` (``io.files.StagedDirectory``) that is renamed into
+Every command writes into a staging directory beside ``--out`` (``io.staging.StagedDirectory``) that is renamed into
 place only when the command finished: an interrupted run leaves nothing under the final name and resumes from its
 cache when rerun. This is the only layer that knows both the core (``prune_heads``) and the exporters.
 """
@@ -18,8 +18,9 @@ from prune_heads.console import say
 from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult, agreement, paired_delta
 from prune_heads.heads import HeadSet, ScoreTable, score_direction
-from prune_heads.io.files import StagedDirectory, write_json
+from prune_heads.io.files import write_json
 from prune_heads.io.parallel import LOCAL, Ranks
+from prune_heads.io.staging import StagedDirectory
 from prune_heads.models.loading import LoadedModel
 from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.pipeline.inputs import Inputs

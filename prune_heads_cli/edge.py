@@ -11,7 +11,7 @@ import click
 
 
 def interrupted() -> None:
-    from prune_heads.io.files import StagedDirectory
+    from prune_heads.io.staging import StagedDirectory
 
     staged = StagedDirectory.current
     where = f" in {staged.path}" if staged is not None else ""
@@ -22,7 +22,7 @@ def interrupted() -> None:
 
 def written_directory(error: BaseException) -> Path:
     """The directory a failed write was writing to: the file the error names, else the run's --out."""
-    from prune_heads.io.files import StagedDirectory
+    from prune_heads.io.staging import StagedDirectory
 
     while error is not None:
         if isinstance(error, OSError) and error.filename:

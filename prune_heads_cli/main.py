@@ -275,7 +275,8 @@ def adapt(adapter_dir, pruned, out, force):
     loads it)."""
     from exporters.lora import read_adapter_config, slice_adapter
     from exporters.manifest import read_manifest
-    from prune_heads.io.files import StagedDirectory, check_path_names
+    from prune_heads.io.files import check_path_names
+    from prune_heads.io.staging import StagedDirectory
 
     check_path_names({"out": out, **flag_paths(named=True)})
     read_adapter_config(adapter_dir)

@@ -1,6 +1,6 @@
 """The measuring commands: ``score`` (every score function on every head), ``eval`` (the task, optionally ablated),
 ``compare`` (the attention behaviour of two models) and ``study`` (the paper's comparison of score functions). Each
-writes into a staging directory renamed into place when it finished (``io.files.StagedDirectory``)."""
+writes into a staging directory renamed into place when it finished (``io.staging.StagedDirectory``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +12,8 @@ from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.lm_eval_results import document_rows, document_value, generation_summary, paired
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable
-from prune_heads.io.files import StagedDirectory, write_json, write_jsonl, write_text
+from prune_heads.io.files import write_json, write_jsonl, write_text
+from prune_heads.io.staging import StagedDirectory
 from prune_heads.models.tokens import encode
 from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_texts, lm_eval_spec, round_robin
 from prune_heads.pipeline.settings import Settings

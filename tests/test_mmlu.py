@@ -118,7 +118,7 @@ def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
 def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one_pass(tmp_path):
     from prune_heads.eval.cached_steps import Work
     from prune_heads.eval.encoding import split_blocks
-    from prune_heads.io.files import StagedDirectory
+    from prune_heads.io.staging import StagedDirectory
     from prune_heads.plan.planner import planner_for
     from prune_heads.search.budget import Budget
     from prune_heads.search.verifier import Verifier, VerifierSetup

@@ -13,7 +13,7 @@ from helpers import cais_file
 from tiny import tiny_model
 
 from prune_heads.errors import UserError
-from prune_heads.io.files import StagedDirectory
+from prune_heads.io.staging import StagedDirectory
 from prune_heads_cli.main import main
 
 

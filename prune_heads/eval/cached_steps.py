@@ -17,8 +17,8 @@ from prune_heads.eval.results import EvalResult
 from prune_heads.eval.textkl import next_token_kl
 from prune_heads.heads import HeadSet, ScoreTable
 from prune_heads.io.cache import ResultCache, tokens_digest
-from prune_heads.io.files import StagedDirectory
 from prune_heads.io.parallel import LOCAL, Ranks
+from prune_heads.io.staging import StagedDirectory
 from prune_heads.models.batching import text_batches
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.planner import PrunePlan

@@ -31,8 +31,9 @@ from prune_heads.eval.encoding import EncodedTask, encode_task
 from prune_heads.eval.results import EvalResult, chance_warning
 from prune_heads.heads import ScoreTable
 from prune_heads.io.cache import tokens_digest
-from prune_heads.io.files import StagedDirectory, sha256_file
+from prune_heads.io.files import sha256_file
 from prune_heads.io.parallel import LOCAL, Ranks
+from prune_heads.io.staging import StagedDirectory
 from prune_heads.models.loading import LoadedModel, LoadOptions, load_model, resolve_device, resolve_dtype
 from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.pipeline.inputs import (
