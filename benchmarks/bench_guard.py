@@ -44,7 +44,7 @@ def say_guard(report: dict, prefix: str) -> None:
     result(f"{prefix}_guard_share", round(g.get("seconds", 0) / report["wall_seconds"], 4))
     result(f"{prefix}_heads_removed", report["final"]["num_heads_removed"])
     result(f"{prefix}_heads", json.dumps(report["heads"], separators=(",", ":")))
-    for point in g.get("points", []):
+    for point in g.get("judged", []):
         print(f"  guard on {point['num_heads']} heads: " + ("within tolerance" if point["within_tolerance"]
                                                            else "refused: " + point["reason"]))
     for probe, rows in ((g.get("chosen") or {}).get("per_length") or {}).items():

@@ -49,7 +49,7 @@ def main() -> None:
     )
     report = json.loads((out / "report.json").read_text())
     total = report["task"]["questions"]
-    searched = [p for p in report["points"] if p["num_heads"] > 0]
+    searched = [p for p in report["search_points"] if p["num_heads"] > 0]
     evaluated = sum(p["n"] for p in searched)
     print(
         f"search: {len(searched)} points, {sum(1 for p in searched if p.get('stopped_early'))} stopped early; "

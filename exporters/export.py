@@ -141,7 +141,7 @@ def export_pruned(lm: LoadedModel, heads: HeadSet, out: Path, options: ExportOpt
 
 
 def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: ExportOptions, enc, files,
-                     healer: Healer | None, offloaded: bool) -> tuple["_ShippedModel", dict | None, dict | None]:
+                     healer: Healer | None, offloaded: bool) -> tuple["_WrittenModel", dict | None, dict | None]:
     """(the model that ships and its check, the GGUF's record, healing's record). The pruned copy lives only here:
     the GGUF and the safetensors files are written from it, then the original is released when the caller is done
     with it and the reload is checked; for a GGUF alone, the pruned model in memory is checked instead."""
@@ -150,7 +150,7 @@ def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: 
         gguf = (export_gguf(lm, pruned, choice, out, options.gguf_type, sample_prompts(lm, enc), options.measure_speed,
                             healed=healing is not None) if "gguf" in options.formats else None)
     if "safetensors" not in options.formats:
-        shipped = _ShippedModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
+        shipped = _WrittenModel(verify_in_memory(lm, choice, pruned, enc, healed=healing is not None),
                                 _speed(lm, pruned) if options.measure_speed else None, model_parameters(pruned))
         return shipped, gguf, healing
     memory.policy().between_stages()  # what the search left free goes back before the reference logits and shards
@@ -166,7 +166,7 @@ def _write_and_check(lm: LoadedModel, choice: LayoutChoice, out: Path, options: 
 
 
 @dataclass
-class _ShippedModel:
+class _WrittenModel:
     verification: dict  # with "_model": the model the task is evaluated on
     speed: dict | None
     parameters: int  # the pruned model's
@@ -205,7 +205,7 @@ def _refuse_offloaded(offloaded: bool, files, formats) -> None:
 
 
 def _write_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, out: Path, options: ExportOptions,
-                       enc, files) -> _ShippedModel:
+                       enc, files) -> _WrittenModel:
     """The files first (streamed from the source's safetensors when it can be), then the reference logits (the
     ablated original, or the healed model: full-vocabulary float32 logits, 0.24x of a 0.5B bf16 model's weights,
     so not held beside a shard being written), then the pruned model timed against the original while they share
@@ -225,11 +225,11 @@ def _write_safetensors(lm: LoadedModel, pruned, healing, choice: LayoutChoice, o
     # the manifest and the report.
     parameters = checkpoint_parameters(sorted(out.glob("*.safetensors")), lm.config)
     source = checkpoint_parameters(sorted(set(files.values())), lm.config) if files is not None else None
-    return _ShippedModel({}, speed, parameters, source,
+    return _WrittenModel({}, speed, parameters, source,
                          {"ids": ids, "expected": expected, "precision": precision, "streamed": written["streamed"]})
 
 
-def _check_reload(lm: LoadedModel, choice: LayoutChoice, out: Path, shipped: _ShippedModel, released: bool,
+def _check_reload(lm: LoadedModel, choice: LayoutChoice, out: Path, shipped: _WrittenModel, released: bool,
                   placement: dict | None) -> None:
     """Load the written files as a user would and check their logits against the reference taken before."""
     reference = shipped.reference

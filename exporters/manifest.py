@@ -71,6 +71,7 @@ def build_manifest(lm: LoadedModel, heads: HeadSet, choice: LayoutChoice, found:
     verification, task_eval, healing)."""
     return {
         "format": "prune-heads/2",
+        "schema_version": MANIFEST_SCHEMA_VERSION,
         "prune_heads_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source_model": lm.source.published(),
@@ -96,6 +97,9 @@ def build_manifest(lm: LoadedModel, heads: HeadSet, choice: LayoutChoice, found:
     }
 
 
+# prune_heads.json's layout. 2: the confirmation's `tried` points (were `points`); 1 (no schema_version): older
+# exports, still read by push, adapt and export --heads (none of them reads a renamed key).
+MANIFEST_SCHEMA_VERSION = 2
 SEALED = "manifest_sha256"  # the manifest's own digest: a hand-edited manifest no longer matches it
 
 
@@ -123,6 +127,10 @@ def read_manifest(directory: Path) -> dict:
         raise UserError(f"{directory} is not a prune-heads export (no {MANIFEST}); export one with prune-heads or "
                         "prune-heads export")
     meta = check_manifest(read_json(path, "manifest"), path)
+    if meta.get("schema_version", 1) > MANIFEST_SCHEMA_VERSION:
+        raise UserError(f"{directory} was exported by a newer prune-heads ({MANIFEST} schema "
+                        f"{meta['schema_version']}, this one reads up to {MANIFEST_SCHEMA_VERSION}); upgrade "
+                        "prune-heads")
     if not meta.get("verified"):
         raise UserError(f"{directory} was not verified; export it again")
     if SEALED in meta and meta[SEALED] != manifest_digest(meta):

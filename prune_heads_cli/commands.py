@@ -108,20 +108,20 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
             return None  # this rank's share is done: the decision is made, rank 0 writes it
         run.work.finish_alone()
         _say_selection(run, selection)
-        write_json(run.stage / "heads.json", selection.heads.to_json())
+        write_json(run.staging_dir / "heads.json", selection.heads.to_json())
         with stage("export"):  # the reload check, vLLM, the task on the export and the speed are their own stages
             export = _export(run, verifier, selection, warnings, confirmation, guarded) if run.settings.export else None
         with stage("report"):
             report = _report(run, scored, verifier, selection, warnings, confirmation, resolution, export)
             report["guard"] = guarded
-            report["points"] = mark_refusals(report["points"], confirmation, guarded)
+            report["search_points"] = mark_refusals(report["search_points"], confirmation, guarded)
             # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
             # never sit beside the reloaded weights, the run's memory peak.
             _plot_selection(run, scored.table, selection, report, verifier.baseline)
         report["processes"] = ranks.size  # torchrun's ranks that shared the scoring and evaluations
         report["timings"] = clock.to_json()
         report["seconds"] = report["timings"]["total"]
-        write_json(run.stage / "report.json", worded_json(report))
+        write_json(run.staging_dir / "report.json", worded_json(report))
     say(f"{'pruned model, report' if settings.export else 'report'}: {out}", fg="green")
     say(f"done in {clock.describe()}", fg="green")
     return PruneRun(run, scored.table, selection, report, export and export.result)
@@ -141,7 +141,7 @@ def _staged_on_root(settings: Settings, inputs: Inputs, out: Path, force: bool, 
 
 
 def _report(run: Run, scored: Scored, verifier: Verifier, selection: Selection, warnings: list[str],
-            confirmation: dict, resolution, export: "ShippedExport | None") -> dict:
+            confirmation: dict, resolution, export: "MainExport | None") -> dict:
     """report.json, assembled once from the stages' results."""
     s = run.settings
     gqa = gqa_costs(verifier, scored.table.mean(s.scorer), score_direction(s.scorer) == "low",
@@ -181,18 +181,18 @@ def _say_selection(run: Run, selection: Selection) -> None:
 
 
 def _plot_selection(run: Run, scores: ScoreTable, selection: Selection, report: dict, baseline: EvalResult) -> None:
-    s, spec, stage = run.settings, run.lm.source.spec, run.stage
-    plots.score_heatmap(scores.mean(s.scorer), s.scorer, selection.heads, stage / "scores_heatmap.png",
+    s, spec, staging = run.settings, run.lm.source.spec, run.staging_dir
+    plots.score_heatmap(scores.mean(s.scorer), s.scorer, selection.heads, staging / "scores_heatmap.png",
                         f"{spec}: {s.scorer} (red: {len(selection.heads)} removed heads)")
-    plots.search_curve(report["points"], baseline.accuracy, s.budget.limit, stage / "accuracy_vs_heads.png",
+    plots.search_curve(report["search_points"], baseline.accuracy, s.budget.limit, staging / "accuracy_vs_heads.png",
                        f"{spec}: {METRIC_NAMES.get(s.metric, s.task)} vs heads ablated by {s.scorer}",
                        metric=s.metric)
-    plots.shipped_curve(report["points"], s.budget, stage / "budget_vs_shipped.png",
+    plots.shipped_curve(report["search_points"], s.budget, staging / "budget_vs_shipped.png",
                         f"{spec}: {METRIC_NAMES.get(s.metric, s.task + ' accuracy')} vs what the export saves")
 
 
 @dataclass
-class ShippedExport:
+class MainExport:
     """The export of the main job, and with --adapter the sliced adapter's check."""
 
     result: ExportResult
@@ -206,24 +206,24 @@ class ShippedExport:
 
 
 def _export(run: Run, verifier: Verifier, selection: Selection, warnings: list[str],
-            confirmation: dict, guarded: dict) -> ShippedExport:
+            confirmation: dict, guarded: dict) -> MainExport:
     """The chosen heads, physically removed, written, reloaded and re-verified (with --adapter: the base is
     checked on logits and the sliced adapter on the task)."""
     s = run.settings
     info = {"scorer": s.scorer, "budget": s.budget.text, "warnings": warnings,
             "budget_definition": budget_definition(s.budget, s.task), "task": s.task,
             "confirmation": {k: v for k, v in confirmation.items() if k != "question_ids"},
-            "long_context": {**{k: v for k, v in guarded.items() if k != "points"},
+            "long_context": {**{k: v for k, v in guarded.items() if k != "judged"},
                              **({"before_healing": True} if s.heal_steps else {})}}
     if s.lora_adapter:
-        result = export_pruned(run.base, selection.heads, run.stage, _options(s, run, shipping=False), info=info,
+        result = export_pruned(run.base, selection.heads, run.staging_dir, _options(s, run, shipping=False), info=info,
                                planner=run.planner)
-        return ShippedExport(result, _export_sliced_adapter(run, verifier, result.choice.plan, selection.result))
+        return MainExport(result, _export_sliced_adapter(run, verifier, result.choice.plan, selection.result))
     # With --heal-in-search the chosen point was judged healed; before/after healing compares the ablation.
     ablated = verifier.evaluate_ablation(selection.heads) if s.heal_in_search else selection.result
     check = ExportCheck(run.enc, verifier.baseline, ablated, run.work, s.batch_size)
-    return ShippedExport(export_pruned(run.lm, selection.heads, run.stage, _options(s, run), check=check, info=info,
-                                       healer=verifier.setup.healer, planner=run.planner))
+    return MainExport(export_pruned(run.lm, selection.heads, run.staging_dir, _options(s, run), check=check,
+                                       info=info, healer=verifier.setup.healer, planner=run.planner))
 
 
 def _options(s: Settings, run: Run, shipping: bool = True) -> ExportOptions:
@@ -240,13 +240,13 @@ def _options(s: Settings, run: Run, shipping: bool = True) -> ExportOptions:
 
 
 def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResult) -> dict:
-    """Slice --adapter into stage/adapter, reload pruned base + sliced adapter, and check it against the verified
-    (merged, ablated) model: logits on sample prompts, then the task."""
+    """Slice --adapter into the staging directory's adapter/, reload pruned base + sliced adapter, and check it against
+    the verified (merged, ablated) model: logits on sample prompts, then the task."""
     from prune_heads.io.cache import digest
 
     merged = run.lm
-    out = slice_adapter(run.settings.lora_adapter, run.stage, run.stage / "adapter", check=False)
-    model = load_sliced(merged, run.stage, out)
+    out = slice_adapter(run.settings.lora_adapter, run.staging_dir, run.staging_dir / "adapter", check=False)
+    model = load_sliced(merged, run.staging_dir, out)
     check = check_sliced(merged, model, plan, run.enc)
     reloaded = LoadedModel(model, merged.tokenizer, merged.arch, merged.source, merged.dtype, merged.device)
     result = run.work.evaluate_model(run.enc, reloaded, f"sliced-adapter:{digest(plan.to_json())}",

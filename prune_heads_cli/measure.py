@@ -282,10 +282,10 @@ def _probe_floor(task: ProbeStudy, plan: StudyPlan) -> str | None:
 def _write_study(run: Run, payload: dict, what: str) -> None:
     from prune_heads.report.study import markdown
 
-    spec, stage, measure = run.lm.source.spec, run.stage, payload["measure"]
-    write_json(stage / "study.json", payload)
-    write_text(stage / "study.md", markdown(payload, spec, what))
-    plots.study_curves(payload, stage / "study_curves.png", f"{spec} on {what}: {measure} vs heads zeroed per score "
+    spec, staging, measure = run.lm.source.spec, run.staging_dir, payload["measure"]
+    write_json(staging / "study.json", payload)
+    write_text(staging / "study.md", markdown(payload, spec, what))
+    plots.study_curves(payload, staging / "study_curves.png", f"{spec} on {what}: {measure} vs heads zeroed per score "
                        "function (legend: max % within budget)")
-    plots.study_ranking(payload, stage / "study_ranking.png", f"{spec}: score functions ranked by max % of heads "
+    plots.study_ranking(payload, staging / "study_ranking.png", f"{spec}: score functions ranked by max % of heads "
                         f"within {run.settings.budget.limit:g} pt of {measure}")

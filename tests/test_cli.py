@@ -32,14 +32,14 @@ def test_main_command_end_to_end(model_dir, mmlu_file, tmp_path, capsys):
     heads = HeadSet.load(out / "heads.json")
     assert report["heads"] == heads.to_json()
     assert report["final"]["num_heads_removed"] == len(heads)
-    assert report["budget"]["points"] == 2.0 and report["scorer"] == "ahon_ln"
+    assert report["budget"]["limit"] == 2.0 and report["scorer"] == "ahon_ln"
     assert report["recipe"]["name"] == "llama3"
     assert set(report["scores"]) >= {"awft", "ahon_ln", "lthon_hn"} and len(report["scores"]["ahon"]) == 4
     assert report["task"]["questions"] == 12 and report["task"]["fast_path_questions"] == 12
-    assert report["points"][0]["num_heads"] == 0 and any(p["chosen"] for p in report["points"])
-    chosen = [p for p in report["points"] if p["chosen"]][0]
+    assert report["search_points"][0]["num_heads"] == 0 and any(p["chosen"] for p in report["search_points"])
+    chosen = [p for p in report["search_points"] if p["chosen"]][0]
     assert chosen["within_budget"] and chosen["delta_points"] >= -2.0
-    assert all(p["num_heads"] <= chosen["num_heads"] for p in report["points"] if p["within_budget"])
+    assert all(p["num_heads"] <= chosen["num_heads"] for p in report["search_points"] if p["within_budget"])
     # The chosen heads are the dormant end of the ranking by the scorer.
     scores = torch.tensor(report["scores"]["ahon_ln"])
     threshold = max(scores[layer, h] for layer, h in heads.pairs()) if heads else -1
@@ -57,11 +57,11 @@ def test_main_command_with_kl_budget(model_dir, mmlu_file, tmp_path, capsys):
                             "--no-progress", "--budget", "0.01nat", "--no-export"], capsys)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
-    assert report["budget"]["metric"] == "kl" and report["budget"]["points"] == 0.01
-    for p in report["points"]:
+    assert report["budget"]["metric"] == "kl" and report["budget"]["limit"] == 0.01
+    for p in report["search_points"]:
         assert p["within_budget"] == (p["kl_answer_nats"] <= 0.01)
         assert 0 <= p["agreement"] <= 1
-    assert report["points"][0]["kl_answer_nats"] == 0 and report["points"][0]["agreement"] == 1
+    assert report["search_points"][0]["kl_answer_nats"] == 0 and report["search_points"][0]["agreement"] == 1
     assert not (out / "model.safetensors").exists()  # --no-export
 
 
@@ -262,10 +262,10 @@ def test_search_stops_evaluating_points_its_ci_puts_over_budget(model_dir, tmp_p
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     total = report["task"]["questions"]
-    stopped = [p for p in report["points"] if p.get("stopped_early")]
+    stopped = [p for p in report["search_points"] if p.get("stopped_early")]
     assert stopped and all(p["n"] < total and not p["within_budget"] for p in stopped)
     assert "decided after" in err
-    chosen = [p for p in report["points"] if p["chosen"]][0]
+    chosen = [p for p in report["search_points"] if p["chosen"]][0]
     assert chosen["n"] == total and report["final"]["n"] == total
 
 

@@ -50,10 +50,10 @@ def test_a_failing_confirmation_steps_back_along_the_curve(model_dir, tmp_path, 
     monkeypatch.setattr(confirmation, "judge", strict_for_the_first)
     report, err = _run(model_dir, tmp_path, capsys, "--mmlu-per-subject", "3", "--budget", "100%", "--no-export")
     c = report["confirmation"]
-    assert [p["within_budget"] for p in c["points"]] == [False, True] and c["confirmed"]
-    assert c["points"][1]["num_heads"] <= c["points"][0]["num_heads"]
-    assert report["final"]["num_heads_removed"] == c["points"][1]["num_heads"]
-    chosen = [p for p in report["points"] if p["chosen"]]
+    assert [p["within_budget"] for p in c["tried"]] == [False, True] and c["confirmed"]
+    assert c["tried"][1]["num_heads"] <= c["tried"][0]["num_heads"]
+    assert report["final"]["num_heads_removed"] == c["tried"][1]["num_heads"]
+    chosen = [p for p in report["search_points"] if p["chosen"]]
     assert len(chosen) == 1 and chosen[0]["num_heads"] == c["num_heads"]
 
 

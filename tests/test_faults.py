@@ -393,5 +393,5 @@ def test_no_export_reports_what_each_point_would_ship(model_dir, mmlu, tmp_path,
     code, _, _ = run_cli(_main_args(model_dir, mmlu, tmp_path / "b"), capsys)
     assert code == 0
     without, exported = (json.loads((tmp_path / d / "report.json").read_text()) for d in "ab")
-    assert [p.get("shipped") for p in without["points"]] == [p.get("shipped") for p in exported["points"]]
-    assert max(p["shipped"]["attention_params_removed"] for p in without["points"] if p.get("shipped")) > 0
+    assert [p.get("shipped") for p in without["search_points"]] == [p.get("shipped") for p in exported["search_points"]]
+    assert max(p["shipped"]["attention_params_removed"] for p in without["search_points"] if p.get("shipped")) > 0

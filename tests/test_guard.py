@@ -182,21 +182,21 @@ def test_the_guard_refuses_a_point_and_confirmation_steps_back(model_dir, tmp_pa
     _failing_first(monkeypatch, 1)
     report, err = _run(model_dir, tmp_path, capsys)
     g = report["guard"]
-    assert g["enabled"] and [p["within_tolerance"] for p in g["points"]] == [False, True]
-    assert g["points"][1]["num_heads"] < g["points"][0]["num_heads"] and "reason" in g["points"][0]
-    assert report["final"]["num_heads_removed"] == g["points"][1]["num_heads"] == g["chosen"]["num_heads"]
+    assert g["enabled"] and [p["within_tolerance"] for p in g["judged"]] == [False, True]
+    assert g["judged"][1]["num_heads"] < g["judged"][0]["num_heads"] and "reason" in g["judged"][0]
+    assert report["final"]["num_heads_removed"] == g["judged"][1]["num_heads"] == g["chosen"]["num_heads"]
     # The guard reads a point before its confirmation: the refused point spent no confirmation question.
-    assert [p["num_heads"] for p in report["confirmation"]["points"]] == [g["points"][1]["num_heads"]]
+    assert [p["num_heads"] for p in report["confirmation"]["tried"]] == [g["judged"][1]["num_heads"]]
     assert err.index("refused: copy at 512 tokens") < err.index("confirmation of")
-    refused = [p for p in report["points"] if p.get("refused")]  # what the plots draw as refused, with the reason
-    assert [(p["num_heads"], p["refused"]["by"]) for p in refused] == [(g["points"][0]["num_heads"], "guard")]
+    refused = [p for p in report["search_points"] if p.get("refused")]  # what the plots draw as refused, with the reason
+    assert [(p["num_heads"], p["refused"]["by"]) for p in refused] == [(g["judged"][0]["num_heads"], "guard")]
     assert "copy at 512 tokens" in refused[0]["refused"]["reason"]
     assert set(g["chosen"]["per_length"]) == {"passkey", "copy"}
     assert list(g["chosen"]["per_length"]["passkey"]) == ["512"]  # the tiny model's context caps 2048
     sized = g["sizing"]["prompts"]  # sizing auto: the prompts that resolve each tolerance
     assert set(g["original"]) == {"passkey", "copy"} and g["probes"][0]["prompts"] == {"512": sized["passkey"]}
     assert "long-context guard" in err and "refused: copy at 512 tokens" in err
-    assert [r["probe"] for r in g["points"][0]["probes"]] == ["copy"]  # a refused point stops at its first failure
+    assert [r["probe"] for r in g["judged"][0]["probes"]] == ["copy"]  # a refused point stops at its first failure
     meta = json.loads((tmp_path / "run" / "prune_heads.json").read_text())
     assert meta["long_context"]["chosen"] == g["chosen"]
     card = (tmp_path / "run" / "README.md").read_text()
@@ -221,8 +221,8 @@ def test_below_the_search_the_guard_steps_back_along_the_ranking(model_dir, tmp_
     recipe = tmp_path / "grid.yaml"
     recipe.write_text("search: {grid: [0.5, 0.75], patience: 1, refine_steps: 0}\n")
     report, _ = _run(model_dir, tmp_path, capsys, "--recipe", recipe, "--no-export")
-    searched = [p for p in report["points"] if p["stage"] == "grid"]
-    stepped = [p for p in report["points"] if p["stage"] == "step-back"]
+    searched = [p for p in report["search_points"] if p["phase"] == "grid"]
+    stepped = [p for p in report["search_points"] if p["phase"] == "step-back"]
     assert searched and min(p["num_heads"] for p in searched) > 3
     units = sorted((p["units"] for p in stepped), reverse=True)  # one unit fewer than the search's smallest, then halving
     assert units[0] == min(p["units"] for p in searched) - 1 and units[1:] == [u // 2 for u in units[:-1]]
@@ -235,8 +235,8 @@ def test_nothing_within_the_guard_removes_nothing(model_dir, tmp_path, capsys, m
     _failing_first(monkeypatch, None)
     report, err = _run(model_dir, tmp_path, capsys)
     assert report["final"]["num_heads_removed"] == 0 and "chosen" not in report["guard"]
-    assert [p["units"] for p in report["points"] if p["stage"] == "step-back"] == []  # the search started at 1 unit
-    assert report["guard"]["points"] and not any(p["within_tolerance"] for p in report["guard"]["points"])
+    assert [p["units"] for p in report["search_points"] if p["phase"] == "step-back"] == []  # the search started at 1 unit
+    assert report["guard"]["judged"] and not any(p["within_tolerance"] for p in report["guard"]["judged"])
     assert "keeps the long-context probes within tolerance: no heads are removed" in err
     card = (tmp_path / "run" / "README.md").read_text()
     assert "Nothing was removed" in card

@@ -106,7 +106,7 @@ def test_heal_in_search_judges_points_after_healing(model_dir, tmp_path, capsys)
                             "--no-progress", "--calibration-size", "4", "--budget", "0.5nat", "--heal-steps", "3",
                             "--heal-in-search", "--out", out], capsys)
     assert code == 0, err
-    assert err.count("healing the pruned model for") == len([p for p in json.loads((out / "report.json").read_text())["points"]
+    assert err.count("healing the pruned model for") == len([p for p in json.loads((out / "report.json").read_text())["search_points"]
                                                              if p["num_heads"] > 0])
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["heal_in_search"] and report["export"]["healing"]["steps"] == 3

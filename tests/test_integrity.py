@@ -334,6 +334,23 @@ def test_a_hand_edited_manifest_is_refused(tmp_path):
         read_manifest(out)
 
 
+def test_an_export_of_the_older_schema_is_still_read_and_a_newer_one_is_refused(tmp_path):
+    from exporters.manifest import MANIFEST_SCHEMA_VERSION, sealed
+
+    out = tmp_path / "e"
+    out.mkdir()
+    export_pruned(tiny_model("llama"), HeadSet.of({0: [0]}), out, ExportOptions(progress=False))
+    meta = json.loads((out / MANIFEST).read_text())
+    assert meta["schema_version"] == MANIFEST_SCHEMA_VERSION == 2
+    older = {k: v for k, v in meta.items() if k not in ("schema_version", "manifest_sha256")}
+    older["confirmation"] = {"confirmed": None, "points": []}  # schema 1 named the tried points `points`
+    (out / MANIFEST).write_text(json.dumps(sealed(older)))
+    assert read_manifest(out)["heads_removed"] == 1  # what push, adapt and export --heads read
+    (out / MANIFEST).write_text(json.dumps(sealed({**older, "schema_version": 3})))
+    with pytest.raises(UserError, match="exported by a newer prune-heads .* upgrade prune-heads"):
+        read_manifest(out)
+
+
 # -- adapt: what cannot be sliced is refused, what is written loads with peft ---------------------------------------------
 
 

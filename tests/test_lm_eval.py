@@ -216,8 +216,8 @@ def test_a_generative_task_is_a_budget_confirmed_on_unseen_documents_and_resumes
     assert kl_text["texts"] == 16 and "ph_gen" in kl_text["source"] and "generations" in kl_text["source"]
     confirmation = report["confirmation"]
     assert confirmation["texts"] == 16 and "the next 16 documents" in confirmation["source"], confirmation
-    assert confirmation["points"] and "confirmed" in confirmation
-    for p in confirmation["points"]:
+    assert confirmation["tried"] and "confirmed" in confirmation
+    for p in confirmation["tried"]:
         assert p["within_budget"] == (p["kl_text_nats"] <= 0.05)
     final = report["final"]
     if confirmation["confirmed"]:

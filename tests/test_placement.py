@@ -37,7 +37,7 @@ def test_disk_offload_gives_the_same_search(model_dir, tmp_path, capsys):
     mapped, _ = _main(model_dir, tmp_path, capsys, "mapped", "--no-export", "--device-map", _device_map(tmp_path))
     assert plain["scores"] == mapped["scores"]
     strip = lambda points: [{k: v for k, v in p.items() if k != "shipped"} for p in points]  # noqa: E731
-    assert strip(plain["points"]) == strip(mapped["points"]) and plain["final"] == mapped["final"]
+    assert strip(plain["search_points"]) == strip(mapped["search_points"]) and plain["final"] == mapped["final"]
     assert not (tmp_path / "mapped" / ".offload").exists()
 
 

@@ -68,7 +68,7 @@ def reference(setup, tmp_path_factory):
 
 def _same_result(report, reference):
     assert report["heads"] == reference["heads"]
-    assert [(p["num_heads"], p["accuracy"]) for p in report["points"]] == [(p["num_heads"], p["accuracy"]) for p in reference["points"]]
+    assert [(p["num_heads"], p["accuracy"]) for p in report["search_points"]] == [(p["num_heads"], p["accuracy"]) for p in reference["search_points"]]
     assert report["scores"] == reference["scores"]
     assert report["export"]["task_eval"] == reference["export"]["task_eval"]
 
@@ -141,8 +141,8 @@ def test_a_changed_setting_recomputes_only_what_it_affects(setup, reference, tmp
     assert code == 0, err
     second = json.loads((out / "report.json").read_text())
     assert second["scores"] == first["scores"]
-    old = {p["num_heads"] for p in first["points"]}
-    new = {p["num_heads"] for p in second["points"]} - old
+    old = {p["num_heads"] for p in first["search_points"]}
+    new = {p["num_heads"] for p in second["search_points"]} - old
     # Computed now: only search points never evaluated before, plus the export's own MMLU run if the chosen set changed.
     exported = 0 if second["heads"] == first["heads"] else 1
     assert second["cache"]["computed"] == len(new) + exported

@@ -196,8 +196,8 @@ def test_main_command_with_a_next_token_kl_budget_and_contradictions(model_dir, 
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["budget"]["metric"] == "kl-text" and report["task"]["kl_text"]["texts"] == 8  # 2 x (12-5-3) held out
-    assert all("kl_text_nats" in p for p in report["points"])
-    assert all(p["within_budget"] == (p["kl_text_nats"] <= 0.05) for p in report["points"])
+    assert all("kl_text_nats" in p for p in report["search_points"])
+    assert all(p["within_budget"] == (p["kl_text_nats"] <= 0.05) for p in report["search_points"])
     code, _, err = run_cli(["--model", model_dir, "--metric", "mmlu-cloze", "--task", "piqa", "--out", tmp_path / "x"], capsys)
     assert code == 2 and "--metric mmlu-cloze is the accuracy on the mmlu-cloze task, but --task is piqa" in err
     code, _, err = run_cli(["--model", model_dir, "--task", "hellaswag", "--out", tmp_path / "y"], capsys)

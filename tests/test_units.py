@@ -116,7 +116,7 @@ def test_default_search_ships_what_it_zeroes(model_dir, tmp_path, capsys):
     final = report["final"]
     assert report["search"] == {"units": "gqa", "objective": "params", "layout": "auto"}
     assert final["num_heads_removed"] > 0 and final["shipped"]["deployment_efficiency"] >= 0.95
-    assert all(p["shipped"]["deployment_efficiency"] >= 0.95 for p in report["points"])
+    assert all(p["shipped"]["deployment_efficiency"] >= 0.95 for p in report["search_points"])
     meta = json.loads((out / "prune_heads.json").read_text())
     assert meta["stats"]["after"]["query_heads"] == final["shipped"]["query_slots"]
     assert (out / "budget_vs_shipped.png").is_file()
@@ -132,7 +132,7 @@ def test_confident_decision_is_recorded_and_never_chooses_more_than_the_point_ru
     _, confident = _run(model_dir, tmp_path / "c", capsys, "--decision", "confident", "--budget", "2pt", "--no-export")
     _, point = _run(model_dir, tmp_path / "p", capsys, "--budget", "2pt", "--no-export")
     assert confident["budget"]["decision"] == "confident" and point["budget"]["decision"] == "point"
-    assert all(p["ci95_points"][0] >= -2 for p in confident["points"] if p["within_budget"])
+    assert all(p["ci95_points"][0] >= -2 for p in confident["search_points"] if p["within_budget"])
     assert confident["final"]["num_heads_removed"] <= point["final"]["num_heads_removed"]
 
 

@@ -29,18 +29,18 @@ class Work:
     """The expensive steps of a run (scoring, evaluations), each cached by everything it depends on, so an
     interrupted run resumes without repeating finished work (cache.py)."""
 
-    def __init__(self, lm: LoadedModel, stage: StagedDirectory | None, batch_size: int = 8, progress: bool = True,
+    def __init__(self, lm: LoadedModel, staged: StagedDirectory | None, batch_size: int = 8, progress: bool = True,
                  ranks: Ranks = LOCAL):
         self.lm, self.batch_size, self.progress, self.ranks = lm, batch_size, progress, ranks
-        self.cache = ResultCache(stage.cache_dir if stage is not None else None)
+        self.cache = ResultCache(staged.cache_dir if staged is not None else None)
         self._enc_digests: dict[int, str] = {}
         import transformers
 
         self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
                           "dtype": str(lm.dtype), "device": lm.device.type, "torch": torch.__version__,
                           "transformers": transformers.__version__, "format": 2}
-        if stage is not None and stage.resumed:
-            say(f"resuming: finished work is reused from {stage.cache_dir}")
+        if staged is not None and staged.resumed:
+            say(f"resuming: finished work is reused from {staged.cache_dir}")
 
     def _get(self, kind: str, key: dict) -> dict | None:
         """A cache entry as rank 0 reads it, on every rank."""

@@ -271,6 +271,7 @@ class ManifestSchema(BaseModel):
     layout: Literal["uniform", "per-layer", "masked"]
     plan: dict[StrictStr, Any]
     source_model: dict[StrictStr, Any]
+    schema_version: Annotated[StrictInt, Field(ge=1)] = 1  # absent in exports before schema 2
 
 
 def check_manifest(meta: Any, path: str | Path) -> dict:

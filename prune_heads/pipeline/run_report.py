@@ -7,7 +7,14 @@ from prune_heads.data.tasks import task_format
 from prune_heads.eval.results import accuracy_summary
 from prune_heads.eval.textkl import HeldOutText
 from prune_heads.pipeline.stages import Run, Scored
-from prune_heads.report.report import architecture_summary, budget_definition, final_summary, scores_payload, versions
+from prune_heads.report.report import (
+    REPORT_SCHEMA_VERSION,
+    architecture_summary,
+    budget_definition,
+    final_summary,
+    scores_payload,
+    versions,
+)
 from prune_heads.search.selection import Selection
 from prune_heads.search.verifier import Verifier
 
@@ -25,14 +32,16 @@ def prune_report(run: Run, scored: Scored, verifier: Verifier, selection: Select
         "settings": s.to_json(),
         "versions": versions(),
         "task": task_summary(run, verifier.kl_text),
-        "budget": {"text": budget.text, "metric": budget.metric, "points": budget.limit,
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "budget": {"text": budget.text, "metric": budget.metric, "limit": budget.limit,
+                   "unit": "nats" if budget.in_nats else "points",
                    "decision": budget.rule, "definition": budget_definition(budget, s.task)},
         "scorer": s.scorer,
         "search": {"units": s.units, "objective": s.objective, "layout": verifier.layout},
         **scores_payload(scored.table, scored.calibration),
         "baseline": accuracy_summary(verifier.baseline),
         "final": final_summary(selection, verifier.baseline, s.gqa),
-        "points": selection.points(),
+        "search_points": selection.points(),
         "heads": selection.heads.to_json(),
         "gqa_options": gqa_options,
         "warnings": warnings,

@@ -92,7 +92,8 @@ class Run:
     staged: StagedDirectory | None  # None on the ranks other than 0 (they write nothing)
 
     @property
-    def stage(self) -> Path:
+    def staging_dir(self) -> Path:
+        """Where this run writes until it is complete (renamed into --out then)."""
         return self.staged.path
 
 

@@ -13,6 +13,11 @@ from prune_heads.io.files import write_json, write_jsonl
 from prune_heads.models.loading import LoadedModel
 from prune_heads.search.selection import Selection
 
+# report.json's layout. 2: one meaning per name: the budget's `limit` with its `unit` (was `points`, nats under a KL
+# metric), the search's `search_points` each with its `phase` (were `points` and `stage`), the confirmation's `tried`
+# and the guard's `judged` points (were `points`).
+REPORT_SCHEMA_VERSION = 2
+
 
 def versions() -> dict:
     import torch
@@ -55,10 +60,10 @@ def mark_refusals(points: list[dict], confirmation: dict, guard: dict) -> list[d
     long-context guard or the confirmation on unseen questions turned down (matched by head count), so the plots and
     readers of report.json tell a refused point from an ordinary passing one."""
     refused = {}
-    for p in (confirmation or {}).get("points", []):
+    for p in (confirmation or {}).get("tried", []):
         if not p.get("within_budget", True):
             refused[p["num_heads"]] = {"by": "confirmation", "reason": _over_budget(p, confirmation)}
-    for p in (guard or {}).get("points", []):
+    for p in (guard or {}).get("judged", []):
         if not p.get("within_tolerance", True):
             refused[p["num_heads"]] = {"by": "guard", "reason": p.get("reason", "a long-context probe")}
     return [dict(p, refused=refused[p["num_heads"]]) if p.get("num_heads") in refused and p.get("within_budget")

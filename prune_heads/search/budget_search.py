@@ -55,7 +55,7 @@ class SearchPoint:
     accuracy: float
     delta: PairedDelta
     within_budget: bool
-    phase: str  # "baseline" | "grid" | "refine" | "balanced" (report.json: "stage")
+    phase: str  # "baseline" | "grid" | "refine" | "balanced" | "step-back" (report.json: "phase")
     result: EvalResult = field(repr=False, compare=False, default=None)  # per-question results (not in to_json)
     kl: float = 0.0  # mean KL(unablated || ablated) over the four answer letters, nats
     agreement: float = 1.0  # share of questions answered as the unablated model does
@@ -79,7 +79,7 @@ class SearchPoint:
             **extra,
             **({"stopped_early": True} if self.result is not None and self.result.meta.get("stopped_early") else {}),
             "within_budget": self.within_budget,
-            "stage": self.phase,
+            "phase": self.phase,
             "units": self.units,
             **({"shipped": self.savings} if self.savings is not None else {}),
         }

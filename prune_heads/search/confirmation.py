@@ -53,7 +53,7 @@ def confirm(verifier: Verifier, questions: ConfirmationQuestions, selection: Sel
     long-context probe within tolerance (with a ``guard``); the first that does is the selection. With a guard and
     the search's ``ranking``, the walk goes on below the smallest passing point (``_smaller``). Unchanged when
     neither applies (no confirmation questions, a next-token-KL budget, healing in the search; no guard)."""
-    guarded = {**guard.to_json(), "points": []} if guard else {"enabled": False}
+    guarded = {**guard.to_json(), "judged": []} if guard else {"enabled": False}
     if not selection.heads:
         return selection, {"confirmed": None, "reason": questions.source or "nothing to confirm: no heads were "
                            "chosen"}, guarded
@@ -107,7 +107,7 @@ def _smaller(selection: Selection, ranking: UnitRanking, verifier: Verifier):
 
 def _guarded(guard: Guard, verifier: Verifier, heads: HeadSet, guarded: dict) -> bool:
     verdict = guard.check(verifier.target(heads), f"{len(heads)} heads")
-    guarded["points"].append({"num_heads": len(heads), **verdict.to_json()})
+    guarded["judged"].append({"num_heads": len(heads), **verdict.to_json()})
     if verdict.ok:
         guarded["chosen"] = {"num_heads": len(heads), "per_length": per_length(verdict)}
     return verdict.ok
@@ -121,7 +121,7 @@ class _Confirmer:
         self.enc = encode_task(self.work.lm, questions.data)
         self.unseen = f"{len(self.enc)} unseen questions"
         self.report = {"questions": len(self.enc), "subjects": len(self.enc.subjects), "source": questions.source,
-                       "rule": verifier.budget.rule, "points": [],
+                       "rule": verifier.budget.rule, "tried": [],
                        "question_ids": [[q.subject, q.index] for q in questions.data.questions]}
         self._baseline, self._last = None, None
 
@@ -137,7 +137,7 @@ class _Confirmer:
         baseline = self.baseline
         result = self.work.evaluate(self.enc, self.verifier.target(point.heads), f"confirm {point.num_heads} heads")
         delta, kl, agree, ok = judge(self.verifier.budget, result, baseline)
-        self.report["points"].append(_record(point, delta, kl, agree, ok))
+        self.report["tried"].append(_record(point, delta, kl, agree, ok))
         say(f"  confirmation of {point.num_heads} heads on {len(self.enc)} unseen questions: delta {delta.delta:+.2f} "
             f"pt [{delta.ci_low:+.2f}, {delta.ci_high:+.2f}]  KL {kl:.4f} nat  "
             + ("confirmed" if ok else "over budget"), fg="green" if ok else "yellow")
@@ -158,7 +158,7 @@ class _TextConfirmer:
         self.verifier, self.texts = verifier, verifier.setup.confirm_text
         self.unseen = f"{len(self.texts)} unseen texts"
         self.report = {"texts": len(self.texts), "source": self.texts.source, "rule": verifier.budget.rule,
-                       "points": []}
+                       "tried": []}
         self._last = None
 
     def passes(self, point) -> bool:
@@ -166,7 +166,7 @@ class _TextConfirmer:
         kls = self.verifier.work.text_kls(texts.sequences, self.verifier.target(point.heads), texts.scored).double()
         kl, se = float(kls.mean()), float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
         ok = budget.allows(None, kl_text=kl, kl_text_se=se)  # a kl-text budget reads no accuracy
-        self.report["points"].append({"num_heads": point.num_heads, "units": point.units, "kl_text_nats": round(kl, 6),
+        self.report["tried"].append({"num_heads": point.num_heads, "units": point.units, "kl_text_nats": round(kl, 6),
                                       "kl_text_ci95": [round(kl - 1.96 * se, 6), round(kl + 1.96 * se, 6)],
                                       "within_budget": ok})
         say(f"  confirmation of {point.num_heads} heads on {self.unseen}: next-token KL {kl:.4f} nat "
