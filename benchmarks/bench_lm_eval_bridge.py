@@ -23,7 +23,7 @@ from prune_heads.data.lm_eval_tasks import LmEvalSpec, load_tasks, mmlu_tasks, m
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.lm_eval_bridge import evaluate_tasks
-from prune_heads.eval.passes import evaluate
+from prune_heads.eval.passes import task_loglik
 from prune_heads.models import load_model
 
 
@@ -42,7 +42,7 @@ def hflm_fastest(lm, spec: LmEvalSpec, batch_sizes: list[int]) -> tuple[float, i
 
 def multiple_choice(lm, spec: LmEvalSpec, batch_sizes: list[int], batch: int) -> None:
     enc = encode_task(lm, multiple_choice_data(load_tasks(spec), None))
-    ours_s, ours = timed(lambda: evaluate(lm, enc, None, batch, progress=False))
+    ours_s, ours = timed(lambda: task_loglik(lm, enc, None, batch, progress=False))
     theirs_s, bs, samples = hflm_fastest(lm, spec, batch_sizes)
     order = list(dict.fromkeys(q.subject for q in ours.questions))
     stock = [max(range(4), key=lambda i: s["filtered_resps"][i][0]) for name in order

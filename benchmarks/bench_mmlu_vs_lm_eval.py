@@ -25,7 +25,7 @@ from _common import machine, result, timed
 
 from prune_heads.data.mmlu import LETTERS, load_mmlu
 from prune_heads.eval.encoding import encode_task
-from prune_heads.eval.passes import evaluate
+from prune_heads.eval.passes import task_loglik
 from prune_heads.models import load_model
 
 TASK = """task: {task}
@@ -86,8 +86,8 @@ def main() -> None:
     subjects = int(args.subjects) if args.subjects.isdigit() else args.subjects.split(",")
     data = load_mmlu().subset(args.per_subject, subjects=subjects)
     enc = encode_task(lm, data)
-    evaluate(lm, encode_task(lm, data.subset(1, subjects=1)), None, progress=False)  # warm-up
-    t_ours, ours = timed(lambda: evaluate(lm, enc, None, args.batch_size, progress=False))
+    task_loglik(lm, encode_task(lm, data.subset(1, subjects=1)), None, progress=False)  # warm-up
+    t_ours, ours = timed(lambda: task_loglik(lm, enc, None, args.batch_size, progress=False))
 
     tmp = Path(tempfile.mkdtemp())
     tasks = write_tasks(data, tmp)

@@ -109,7 +109,7 @@ def emptied_layer_exports_match(device: torch.device, quick: bool) -> tuple[floa
 def bf16_agrees_with_float32(device: torch.device, quick: bool) -> float:
     from prune_heads.data.mmlu import load_mmlu
     from prune_heads.eval.encoding import encode_task
-    from prune_heads.eval.passes import evaluate
+    from prune_heads.eval.passes import task_loglik
     from prune_heads.models import load_model
 
     subjects = 2 if quick else None
@@ -117,7 +117,7 @@ def bf16_agrees_with_float32(device: torch.device, quick: bool) -> float:
     for dtype in ("float32", "bfloat16"):
         lm = load_model("smollm2-135m", dtype, str(device))
         data = load_mmlu().subset(1 if quick else 6, subjects=subjects or 19)
-        preds[dtype] = evaluate(lm, encode_task(lm, data), None, 8, False).pred
+        preds[dtype] = task_loglik(lm, encode_task(lm, data), None, 8, False).pred
     agreement = float((preds["float32"] == preds["bfloat16"]).double().mean())
     print(f"embedded model, {len(preds['float32'])} MMLU questions: bf16 predictions agree with float32 on "
           f"{100 * agreement:.1f}%")

@@ -93,7 +93,7 @@ def synced(device: torch.device) -> float:
 
 
 def main() -> None:
-    from prune_heads.eval.passes import evaluate
+    from prune_heads.eval.passes import task_loglik
     from prune_heads.heads import HeadSet
     from prune_heads.scoring.hooks import score_heads
 
@@ -109,7 +109,7 @@ def main() -> None:
     tokens = tokens_read(enc)
     heads = HeadSet.of({layer: [h for h in range(32) if h % 10 == 0] for layer in range(config.num_hidden_layers)})
     start = synced(device)
-    evaluate(lm, enc, heads, 8, progress=True, label="verification point")
+    task_loglik(lm, enc, heads, 8, progress=True, label="verification point")
     point = synced(device) - start
     g = torch.Generator().manual_seed(1)
     calibration = [torch.randint(10, config.vocab_size, (1024,), generator=g).tolist() for _ in range(8 if args.quick

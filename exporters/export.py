@@ -30,7 +30,7 @@ from prune_heads.console import say
 from prune_heads.errors import UserError
 from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask
-from prune_heads.eval.passes import evaluate
+from prune_heads.eval.passes import task_loglik
 from prune_heads.eval.results import EvalResult, agreement, answer_kl, paired_delta
 from prune_heads.heads import HeadSet
 from prune_heads.io.diskspace import check_space, disk_full_reported
@@ -293,9 +293,9 @@ def _evaluate_export(reloaded: LoadedModel, out: Path, check: ExportCheck, heali
     """The task on the reloaded export: accuracy, paired delta and KL against the unablated model, agreement with
     the verified ablation (and the before/after of healing)."""
     if check.work is not None:  # cached by the written files' content
-        result = check.work.evaluate_model(check.enc, reloaded, f"export:{files_digest(out)}", "exported model")
+        result = check.work.task_result_of(check.enc, reloaded, f"export:{files_digest(out)}", "exported model")
     else:
-        result = evaluate(reloaded, check.enc, None, check.batch_size, progress, label="exported model")
+        result = task_loglik(reloaded, check.enc, None, check.batch_size, progress, label="exported model")
     summary = {"n": len(result.questions), "pruned_accuracy": round(result.accuracy, 6)}
     baseline, ablated = check.baseline, check.ablated
     if baseline is not None:

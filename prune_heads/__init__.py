@@ -4,7 +4,7 @@ The subpackages are the stages of one run, in the order it flows through them (d
 imports only earlier ones:
 
     io -> models (load_model: LoadedModel) -> data (tasks, MMLU, calibration) -> plan (Planner: PrunePlan)
-       -> scoring (score_heads: ScoreTable) -> eval (encode_task, evaluate: EvalResult; Work caches both)
+       -> scoring (score_heads: ScoreTable) -> eval (encode_task, task_loglik: EvalResult; Work caches both)
        -> search (Verifier, search_budget, select_heads: Selection; confirm) -> report (report.json, plots, study)
        -> pipeline (Settings, Inputs, and the stages open_run, score, verifier_for, select, confirmed)
 

@@ -249,7 +249,7 @@ def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResu
     model = load_sliced(merged, run.staging_dir, out)
     check = check_sliced(merged, model, plan, run.enc)
     reloaded = LoadedModel(model, merged.tokenizer, merged.arch, merged.source, merged.dtype, merged.device)
-    result = run.work.evaluate_model(run.enc, reloaded, f"sliced-adapter:{digest(plan.to_json())}",
+    result = run.work.task_result_of(run.enc, reloaded, f"sliced-adapter:{digest(plan.to_json())}",
                                      "pruned base + sliced adapter")
     say(f"pruned base + sliced adapter: max |logit diff| {check['max_abs_logit_diff']:.3g}, "
          f"{run.settings.task} {100 * result.accuracy:.2f}%")

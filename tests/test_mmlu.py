@@ -8,7 +8,7 @@ from prune_heads.data.mmlu import build_prompt, load_mmlu
 from prune_heads.data.tasks import Question, Subject
 from prune_heads.errors import UserError
 from prune_heads.eval.encoding import encode_task
-from prune_heads.eval.passes import evaluate, evaluate_many, evaluate_reference
+from prune_heads.eval.passes import task_loglik, task_loglik_many, task_loglik_reference
 from prune_heads.eval.results import paired_delta
 from prune_heads.heads import HeadSet
 
@@ -72,8 +72,8 @@ def test_fast_path_predictions_equal_straightforward_path(tmp_path, family):
     if family == "gemma2":  # lm-eval prepends BOS for Gemma
         assert all(it.context[0] == lm.tokenizer.bos_token_id for it in enc.items)
     for heads in (None, HeadSet.of({0: [1, 2], 2: [5]})):
-        fast = evaluate(lm, enc, heads, batch_size=3, progress=False)
-        ref = evaluate_reference(lm, enc, heads)
+        fast = task_loglik(lm, enc, heads, batch_size=3, progress=False)
+        ref = task_loglik_reference(lm, enc, heads)
         assert torch.equal(fast.pred, ref.pred)
         assert torch.allclose(fast.loglik, ref.loglik, atol=1e-4)
 
@@ -85,8 +85,8 @@ def test_dynamic_masks_group_by_question_and_match_reference(tmp_path):
     masks = torch.ones(n, 4, 6)
     for i in range(n):
         masks[i, i % 3, i % 6] = 0  # a different head per question
-    fast = evaluate(lm, enc, masks, batch_size=4, progress=False)
-    ref = evaluate_reference(lm, enc, masks)
+    fast = task_loglik(lm, enc, masks, batch_size=4, progress=False)
+    ref = task_loglik_reference(lm, enc, masks)
     assert torch.allclose(fast.loglik, ref.loglik, atol=1e-4)
 
 
@@ -103,14 +103,14 @@ def test_paired_delta_and_confidence_interval_by_hand():
 
 
 def test_several_head_sets_in_one_batch_equal_one_at_a_time(tmp_path):
-    from prune_heads.eval.passes import evaluate_many
+    from prune_heads.eval.passes import task_loglik_many
 
     lm = tiny_model("qwen2")
     enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, per_subject=9))))
     sets = [HeadSet(), HeadSet.of({0: [1]}), HeadSet.of({1: [0, 2, 4], 3: [5]})]
-    together = evaluate_many(lm, enc, sets, batch_size=4, progress=False)
+    together = task_loglik_many(lm, enc, sets, batch_size=4, progress=False)
     for hs, res in zip(sets, together):
-        alone = evaluate(lm, enc, hs, batch_size=4, progress=False)
+        alone = task_loglik(lm, enc, hs, batch_size=4, progress=False)
         assert torch.equal(res.pred, alone.pred)
         assert torch.allclose(res.loglik, alone.loglik, atol=1e-4)
 
@@ -129,13 +129,13 @@ def test_sequential_evaluation_stops_on_a_decided_point_and_otherwise_equals_one
     assert [len(b.subjects) for b in blocks] == [2, 2, 1] and sum(len(b) for b in blocks) == len(enc)
     with StagedDirectory(tmp_path / "out", False) as staged:
         work = Work(lm, staged, batch_size=4, progress=False)
-        base = work.evaluate(enc, None)
+        base = work.task_result(enc, None)
         heads = HeadSet.of({0: [0, 1, 2], 1: [3]})
         # A KL budget no ablation meets: the first block already decides the point over it.
         verifier = Verifier(work, planner_for(lm), enc, VerifierSetup(Budget(1e-9, "kl"), "auto", 3), base)
         assert [len(b) for b in verifier.blocks] == [len(b) for b in blocks]
         full = verifier.evaluate_complete(heads, "x")  # every block, never stopped
-        assert torch.equal(full.loglik, evaluate(lm, enc, heads, batch_size=4, progress=False).loglik)
+        assert torch.equal(full.loglik, task_loglik(lm, enc, heads, batch_size=4, progress=False).loglik)
         assert [q.index for q in full.questions] == [q.index for q in base.questions] and not full.meta
         part = verifier.evaluate(heads, "x")
         assert part.meta["stopped_early"] and len(part.questions) == len(blocks[0])
@@ -172,20 +172,20 @@ def test_question_passes_run_in_a_cache_reserved_once_per_subject_with_the_same_
     monkeypatch.setattr(ev, "reserve", lambda cache, *a: (subjects.append(a), real_reserve(cache, *a))[1])
     monkeypatch.setattr(ReservedLayer, "update", update)
     layers = lm.config.num_hidden_layers
-    reserved = evaluate(lm, enc, sets[0], batch_size=batch_size, progress=False)
+    reserved = task_loglik(lm, enc, sets[0], batch_size=batch_size, progress=False)
     # Two subjects of four questions: one reservation each, every pass in place in its buffers.
     assert len(subjects) == (2 if reserves else 0) and all(rows == min(batch_size, 4) for rows, _ in subjects)
     assert passes == ([True] * 2 * -(-4 // batch_size) * layers if reserves else [])
     subjects.clear(), passes.clear()
-    together = evaluate_many(lm, enc, sets, batch_size=batch_size, progress=False)  # chunks of batch_size // 2
+    together = task_loglik_many(lm, enc, sets, batch_size=batch_size, progress=False)  # chunks of batch_size // 2
     chunk = max(1, batch_size // 2)
     assert len(subjects) == (2 if reserves else 0) and all(rows == 2 * chunk for rows, _ in subjects)
     assert passes == ([True] * 2 * -(-4 // chunk) * layers if reserves else [])
     monkeypatch.setattr(ev, "reservable", lambda cache: False)
-    copied = evaluate(lm, enc, sets[0], batch_size=batch_size, progress=False)
+    copied = task_loglik(lm, enc, sets[0], batch_size=batch_size, progress=False)
     assert torch.allclose(reserved.loglik, copied.loglik, atol=1e-5)
     for hs, res in zip(sets, together):
-        assert torch.allclose(res.loglik, evaluate(lm, enc, hs, batch_size=batch_size, progress=False).loglik,
+        assert torch.allclose(res.loglik, task_loglik(lm, enc, hs, batch_size=batch_size, progress=False).loglik,
                               atol=1e-5)
-    ref = evaluate_reference(lm, enc, sets[0])
+    ref = task_loglik_reference(lm, enc, sets[0])
     assert torch.allclose(reserved.loglik, ref.loglik, atol=1e-4)

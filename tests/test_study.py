@@ -126,7 +126,7 @@ def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys,
     out = tmp_path / "study"
     args = ["study", "--model", model_dir, "--mmlu", mmlu, "--out", out, "--no-progress", "--percents", "0,10,30",
             "--budget", "5%", "--calibration-size", "4"]
-    real, calls = work.evaluate, []
+    real, calls = work.task_loglik, []
 
     def interrupting(*a, **k):
         calls.append(1)
@@ -134,10 +134,10 @@ def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys,
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(work, "evaluate", interrupting)
+    monkeypatch.setattr(work, "task_loglik", interrupting)
     code, _, err = run_cli(args + ["--functions", "ahon,awft"], capsys)
     assert code == 130 and "rerun the same command to resume" in err and not out.exists()
-    monkeypatch.setattr(work, "evaluate", real)
+    monkeypatch.setattr(work, "task_loglik", real)
     code, _, err = run_cli(args + ["--functions", "ahon,awft"], capsys)
     assert code == 0, err
     study = json.loads((out / "study.json").read_text())

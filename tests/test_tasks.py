@@ -12,7 +12,7 @@ from prune_heads.data.mmlu import load_mmlu
 from prune_heads.data.tasks import TASKS, Question, load_task
 from prune_heads.errors import UserError
 from prune_heads.eval.encoding import encode_task
-from prune_heads.eval.passes import evaluate, evaluate_many, evaluate_reference
+from prune_heads.eval.passes import task_loglik, task_loglik_many, task_loglik_reference
 from prune_heads.eval.results import EvalResult, answer_kl
 from prune_heads.eval.textkl import next_token_kl
 from prune_heads.heads import HeadSet
@@ -124,8 +124,8 @@ def test_batched_path_equals_reference_on_multi_token_tasks(tmp_path, family, ta
     if task == "winogrande":
         assert all(it.contexts and it.contexts[0] != it.contexts[1] for it in enc.items)
     for heads in (None, HeadSet.of({0: [1, 2], 2: [5]})):
-        fast = evaluate(lm, enc, heads, batch_size=3, progress=False)
-        ref = evaluate_reference(lm, enc, heads)
+        fast = task_loglik(lm, enc, heads, batch_size=3, progress=False)
+        ref = task_loglik_reference(lm, enc, heads)
         assert torch.equal(fast.pred, ref.pred)
         assert torch.allclose(fast.loglik, ref.loglik, atol=1e-4)  # -inf pads match too (3- and 5-choice ARC)
 
@@ -134,14 +134,14 @@ def test_mmlu_cloze_batched_many_sets_and_dynamic_masks_equal_reference(tmp_path
     lm = tiny_model("llama")
     enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, per_subject=7)), task="mmlu-cloze"))
     sets = [HeadSet(), HeadSet.of({1: [0, 3]})]
-    for hs, res in zip(sets, evaluate_many(lm, enc, sets, batch_size=4, progress=False)):
-        ref = evaluate_reference(lm, enc, hs)
+    for hs, res in zip(sets, task_loglik_many(lm, enc, sets, batch_size=4, progress=False)):
+        ref = task_loglik_reference(lm, enc, hs)
         assert torch.allclose(res.loglik, ref.loglik, atol=1e-4)
     masks = torch.ones(len(enc), 4, 6)
     for i in range(len(enc)):
         masks[i, i % 4, (2 * i) % 6] = 0
-    assert torch.allclose(evaluate(lm, enc, masks, batch_size=5, progress=False).loglik,
-                          evaluate_reference(lm, enc, masks).loglik, atol=1e-4)
+    assert torch.allclose(task_loglik(lm, enc, masks, batch_size=5, progress=False).loglik,
+                          task_loglik_reference(lm, enc, masks).loglik, atol=1e-4)
 
 
 # --- next-token KL -----------------------------------------------------------------------------------------------

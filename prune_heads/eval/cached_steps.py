@@ -11,7 +11,7 @@ import torch
 from prune_heads.console import say
 from prune_heads.data.probes import ProbeSet
 from prune_heads.eval.encoding import EncodedTask, task_span
-from prune_heads.eval.passes import evaluate, evaluate_many
+from prune_heads.eval.passes import task_loglik, task_loglik_many
 from prune_heads.eval.probes import METRIC_FIELDS, ProbeResult, probe_pass
 from prune_heads.eval.results import EvalResult
 from prune_heads.eval.textkl import next_token_kl
@@ -121,8 +121,8 @@ class Work:
             return result
         return ProbeResult(probe, *(hit[f] for f in METRIC_FIELDS))
 
-    def evaluate_group(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
-        """Several static head sets at once (evaluate_many); cached per set like ``evaluate``."""
+    def task_results(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
+        """Several static head sets at once (task_loglik_many); cached per set like ``task_result``."""
         questions = [it.question for it in enc.items]
         results: dict[int, EvalResult] = {}
         todo = []
@@ -135,7 +135,7 @@ class Work:
         if todo:
             label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
             todo_sets = [head_sets[i] for i in todo]
-            many = self._on_task_share(enc, None, lambda part, _: evaluate_many(
+            many = self._on_task_share(enc, None, lambda part, _: task_loglik_many(
                 self.lm, part, todo_sets, self.batch_size, self.progress, label))
             for i, res in zip(todo, many):
                 self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
@@ -143,24 +143,24 @@ class Work:
                 results[i] = res
         return [results[i] for i in range(len(head_sets))]
 
-    def evaluate(self, enc: EncodedTask, target: "HeadSet | PrunePlan | None", label: str = "",
+    def task_result(self, enc: EncodedTask, target: "HeadSet | PrunePlan | None", label: str = "",
                  lm: LoadedModel | None = None, model_key: dict | None = None) -> EvalResult:
         ablation, key = self._eval_key(enc, target, model_key)
         hit = self._get("eval", key)
         questions = [it.question for it in enc.items]
         if hit is not None:
             return EvalResult(questions, hit["loglik"], label)
-        result = self._on_task_share(enc, target if ablation else None, lambda part, masks: [evaluate(
+        result = self._on_task_share(enc, target if ablation else None, lambda part, masks: [task_loglik(
             lm or self.lm, part, masks, self.batch_size, self.progress, label=label)])[0]
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 
-    def evaluate_model(self, enc: EncodedTask, lm: LoadedModel, identity: str, label: str = "") -> EvalResult:
+    def task_result_of(self, enc: EncodedTask, lm: LoadedModel, identity: str, label: str = "") -> EvalResult:
         """The task on another model than the run's (an export reloaded, a healed or adapter-sliced model), cached
         by ``identity``: what that model is (e.g. ``export:<sha256 of its files>``)."""
-        return self.evaluate(enc, None, label, lm=lm, model_key={**self.model_key, "model": identity})
+        return self.task_result(enc, None, label, lm=lm, model_key={**self.model_key, "model": identity})
 
-    def cached_model_evaluation(self, enc: EncodedTask, identity: str, label: str = "") -> EvalResult | None:
+    def cached_task_result_of(self, enc: EncodedTask, identity: str, label: str = "") -> EvalResult | None:
         """``evaluate_model``'s result when it is cached (a model expensive to build is then never built)."""
         hit = self._get("eval", self._eval_key(enc, None, {**self.model_key, "model": identity})[1])
         return None if hit is None else EvalResult([it.question for it in enc.items], hit["loglik"], label)

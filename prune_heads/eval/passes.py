@@ -2,11 +2,11 @@
 lm-evaluation-harness computes them, with and without ablation (tokenisation: encoding.py).
 
 Three paths compute the same numbers:
-- ``evaluate_reference``: one full sequence per question and choice, nothing shared (the definition);
-- ``evaluate``, fast path: within a subject every MMLU prompt starts with the same description and five
+- ``task_loglik_reference``: one full sequence per question and choice, nothing shared (the definition);
+- ``task_loglik``, fast path: within a subject every MMLU prompt starts with the same description and five
   exemplars, so their KV cache is computed once per subject and ablation mask, and only the question tokens run on
   top of it, in batches; only the answer position's logits are computed;
-- ``evaluate``, batched path: questions whose tokens do not extend a shared prefix or whose answers span several
+- ``task_loglik``, batched path: questions whose tokens do not extend a shared prefix or whose answers span several
   tokens (the cloze tasks), and per-question ablation masks (dynamic ablation). A question's choices share its
   context: it runs once into a KV cache and the choices run on top (WinoGrande's per-choice contexts instead go as
   (context, continuation) requests in right-padded batches, each row with its own mask, logits only at the
@@ -85,7 +85,7 @@ def _reference_loglik(lm: LoadedModel, item: EncodedQuestion) -> list[float]:
     return out
 
 
-def evaluate_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = None, progress: bool = False,
+def task_loglik_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = None, progress: bool = False,
                        label: str = "") -> EvalResult:
     get_mask = _mask_getter(lm, masks)
     items = enc.items
@@ -248,7 +248,7 @@ class _NoAblation:
         assert mask is None
 
 
-def evaluate(
+def task_loglik(
     lm: LoadedModel,
     enc: EncodedTask,
     masks: MaskSpec = None,
@@ -321,7 +321,7 @@ def _batched_all(lm, items, batch_size, abl, row_masks, progress, desc) -> list[
 
 
 @torch.no_grad()
-def evaluate_many(
+def task_loglik_many(
     lm: LoadedModel,
     enc: EncodedTask,
     head_sets: Sequence[HeadSet],
@@ -331,7 +331,7 @@ def evaluate_many(
 ) -> list[EvalResult]:
     """Evaluate several static head sets in the same forward passes: row ``s`` of every batch carries head set
     ``s``'s mask (the ablation is per row). Per subject, one prefix pass of ``len(head_sets)`` rows, then each
-    chunk of questions for every set at once. Same numbers as ``evaluate`` once per set."""
+    chunk of questions for every set at once. Same numbers as ``task_loglik`` once per set."""
     n = len(head_sets)
     masks = torch.stack([mask_for(lm, hs) for hs in head_sets])  # [n, L, H]
     loglik = empty_loglik(enc, n)

@@ -124,6 +124,6 @@ def dynamic_masks(per_input: torch.Tensor, threshold: float, direction: str) -> 
     """Dynamic ablation: for each input, remove the heads whose score on that input passes ``threshold``.
 
     ``per_input`` is ``[input, layer, head]`` (a ScoreTable entry); ``direction`` is "low" when a low score marks a
-    dormant head (``awft`` is "high"). Returns ``[input, layer, head]`` masks, 1 = kept, for ``evaluate``."""
+    dormant head (``awft`` is "high"). Returns ``[input, layer, head]`` masks, 1 = kept, for ``task_loglik``."""
     dormant = per_input <= threshold if direction == "low" else per_input >= threshold
     return (~dormant).float()

@@ -42,7 +42,7 @@ class TaskStudy:
         self.inputs, self.unit, self.measure = len(enc), "questions", "accuracy"
 
     def evaluate(self, mask: torch.Tensor, label: str) -> EvalResult:
-        return self.work.evaluate(self.enc, mask, label)
+        return self.work.task_result(self.enc, mask, label)
 
     def baseline_summary(self) -> dict:
         return accuracy_summary(self.baseline)

@@ -129,13 +129,13 @@ class _Confirmer:
     def baseline(self):
         """The unablated model on the confirmation questions, evaluated when the first point reaches them."""
         if self._baseline is None:
-            self._baseline = self.work.evaluate(self.enc, None, "unablated (confirmation)")
+            self._baseline = self.work.task_result(self.enc, None, "unablated (confirmation)")
             self.report["baseline"] = accuracy_summary(self._baseline)
         return self._baseline
 
     def passes(self, point) -> bool:
         baseline = self.baseline
-        result = self.work.evaluate(self.enc, self.verifier.target(point.heads), f"confirm {point.num_heads} heads")
+        result = self.work.task_result(self.enc, self.verifier.target(point.heads), f"confirm {point.num_heads} heads")
         delta, kl, agree, ok = judge(self.verifier.budget, result, baseline)
         self.report["tried"].append(_record(point, delta, kl, agree, ok))
         say(f"  confirmation of {point.num_heads} heads on {len(self.enc)} unseen questions: delta {delta.delta:+.2f} "

@@ -56,7 +56,7 @@ class Verifier:
     @classmethod
     def measured(cls, work: Work, planner: Planner, enc: EncodedTask, setup: VerifierSetup) -> "Verifier":
         """A verifier with its baseline: the unablated model on the task (and the held-out texts), cached."""
-        baseline = with_text_kl(work, setup.kl_text, work.evaluate(enc, None, "unablated"), None)
+        baseline = with_text_kl(work, setup.kl_text, work.task_result(enc, None, "unablated"), None)
         return cls(work, planner, enc, setup, baseline)
 
     @property
@@ -100,14 +100,14 @@ class Verifier:
         if len(self.blocks) > 1 and heads:
             result = self._sequential(target, label, early_stop)
             return with_text_kl(self.work, self.kl_text, result, target)
-        return with_text_kl(self.work, self.kl_text, self.work.evaluate(self.enc, target, label), target)
+        return with_text_kl(self.work, self.kl_text, self.work.task_result(self.enc, target, label), target)
 
     def _sequential(self, target, label: str, early_stop: bool) -> EvalResult:
         """The questions evaluated so far, in block order, with ``meta["stopped_early"]`` when a block decided the
         point over budget; the full result in the baseline's order when every block ran."""
         done: list[EvalResult] = []
         for b, block in enumerate(self.blocks):
-            done.append(self.work.evaluate(block, target, f"{label} [{b + 1}/{len(self.blocks)}]"))
+            done.append(self.work.task_result(block, target, f"{label} [{b + 1}/{len(self.blocks)}]"))
             width = max(r.loglik.shape[1] for r in done)
             partial = EvalResult([q for r in done for q in r.questions], torch.cat(
                 [torch.nn.functional.pad(r.loglik, (0, width - r.loglik.shape[1]), value=float("-inf")) for r in done]),
@@ -121,26 +121,26 @@ class Verifier:
 
     def evaluate_ablation(self, heads: HeadSet, label: str = "ablated") -> EvalResult:
         """The plain ablation on every question (no healing, no early stop): what the export is compared with."""
-        return self.work.evaluate(self.enc, self.target(heads), label)
+        return self.work.task_result(self.enc, self.target(heads), label)
 
     def evaluate_group(self, sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
         """Several head sets in the same forward passes where that gives the same numbers, else one at a time."""
         if self.heal_in_search or self.blocks or self.lm.arch.qk_norm == "across_heads":
             return [self.evaluate(hs, lab) for hs, lab in zip(sets, labels)]
-        results = self.work.evaluate_group(self.enc, sets, labels)
+        results = self.work.task_results(self.enc, sets, labels)
         return [with_text_kl(self.work, self.kl_text, r, hs) for r, hs in zip(results, sets)]
 
     def evaluate_healed(self, heads: HeadSet, label: str) -> EvalResult:
         """--heal-in-search: the accuracy of the model that would ship, pruned and healed (cached per plan)."""
         lm, plan, healer = self.lm, self.planner.choose(heads, self.layout).plan, self.setup.healer
         identity = "healed:" + digest({"plan": plan.to_json(), **healer.key})
-        cached = self.work.cached_model_evaluation(self.enc, identity, f"{label}, healed")
+        cached = self.work.cached_task_result_of(self.enc, identity, f"{label}, healed")
         if cached is not None:
             return cached
         say(f"  healing the pruned model for {label}")
         healed, _ = healer.heal(pruned_copy(lm.model, lm.arch, plan), plan)
         model = LoadedModel(healed, lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
-        return self.work.evaluate_model(self.enc, model, identity, f"{label}, healed")
+        return self.work.task_result_of(self.enc, model, identity, f"{label}, healed")
 
 
 def with_text_kl(work: Work, kl_text: HeldOutText | None, result: EvalResult, target) -> EvalResult:
