@@ -23,19 +23,24 @@ from prune_heads_cli.console import learn_flags, show_core_messages, worded
 from prune_heads_cli.edge import disk_full, interrupted, path_problem, terminate, unexpected, written_directory
 from prune_heads_cli.memory import install_policy
 from prune_heads_cli.options import (
+    STUDY_PROBE_PROMPTS,
     as_rank,
     check_heads,
     common_options,
+    compare_flags,
     csv_list,
+    eval_probe_flags,
     export_options,
     flag_paths,
+    guard_flag,
     load_heads,
     prepare,
     probe_options,
+    push_flags,
+    study_probe_flags,
 )
 
 # The main command's own flags, passed to Settings under their names (--no-export and --adapter are renamed).
-STUDY_PROBE_PROMPTS = 16  # a study on a probe: prompts per length (the guard reads fewer: it pairs, not ranks)
 MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "vllm_python",
               "units", "objective", "decision", "confirm", "confirm_fraction", "gqa", "heal_steps", "heal_data",
               "heal_in_search", "guard_texts", "probe_max_length", "calibrate_probes")
@@ -106,11 +111,7 @@ def cli(ctx: click.Context, **kw):
     from prune_heads.io.parallel import launched_ranks, leave
     from prune_heads_cli.commands import run_prune
 
-    push_to, private = kw.pop("push_to"), kw.pop("private")
-    if push_to and kw["no_export"]:
-        raise UserError("--push-to needs an export; drop --no-export")
-    if private and not push_to:
-        raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
+    push_to, private = push_flags(kw.pop("push_to"), kw.pop("private"), kw["no_export"])
     main_flags = {name: kw.pop(name) for name in MAIN_FLAGS}
     main_flags["guard"] = guard_flag(kw.pop("guard"), kw.pop("no_guard"))
     main_flags.update(export=not kw.pop("no_export"), lora_adapter=kw.pop("adapter"))
@@ -123,13 +124,6 @@ def cli(ctx: click.Context, **kw):
     leave(ranks)
 
 
-
-
-def guard_flag(guard: str | None, no_guard: bool) -> tuple[str, ...] | None:
-    """--guard's probes, () for --no-guard, None for the recipe's."""
-    if guard and no_guard:
-        raise UserError("--guard and --no-guard contradict each other; pass one")
-    return () if no_guard else tuple(csv_list(guard, "guard")) if guard else None
 
 
 @cli.command()
@@ -153,10 +147,7 @@ def eval_cmd(ablate, probes, guard_texts, probe_max_length, **kw):
     from prune_heads_cli.measure import run_eval
 
     heads = load_heads(ablate, "ablated") if ablate else None
-    if guard_texts and not probes:
-        raise UserError("--guard-texts feeds the probe text; add --probes text (or passkey,copy,text)")
-    settings, inputs = prepare(kw, any_lm_eval_task=True, guard=tuple(csv_list(probes, "probes")) if probes else (),
-                               guard_texts=guard_texts, probe_max_length=probe_max_length)
+    settings, inputs = prepare(kw, any_lm_eval_task=True, **eval_probe_flags(probes, guard_texts, probe_max_length))
     if heads:
         check_heads(heads, inputs.config)
     run_eval(settings, inputs, kw["out"], kw["force"], heads)
@@ -208,10 +199,7 @@ def compare(model_a, model_b, study_a, study_b, **kw):
     """Compare the attention behaviour of two models on the same texts: compare.json, compare.md, score_cdfs.png."""
     from prune_heads_cli.measure import run_compare
 
-    if kw.get("model"):
-        raise UserError("compare takes the two models as arguments: prune-heads compare MODEL_A MODEL_B --out DIR")
-    if bool(study_a) != bool(study_b):
-        raise UserError("--study-a and --study-b go together: pass both models' study results, or neither")
+    compare_flags(kw.get("model"), study_a, study_b)
     pair = (prepare({**kw, "model": model_a}), prepare({**kw, "model": model_b}))
     run_compare(pair, kw["out"], kw["force"], (study_a, study_b) if study_a else None)
 
@@ -242,25 +230,10 @@ def study(budget, functions, percents, modes, probe, probe_prompts, guard_texts,
     funcs = list(SCORE_KEYS) if functions.strip().lower() == "all" else csv_list(functions, "functions")
     percent_values, mode_names = csv_list(percents, "percents", float), csv_list(modes, "modes")
     check_study_args(funcs, percent_values, mode_names)
-    settings, inputs = prepare(kw, budget=budget, metric="accuracy", **_study_probe(probe, probe_prompts, guard_texts,
-                                                                                     probe_max_length))
+    probe_flags = study_probe_flags(probe, probe_prompts, guard_texts, probe_max_length)
+    settings, inputs = prepare(kw, budget=budget, metric="accuracy", **probe_flags)
     plan = StudyPlan(funcs, tuple(percent_values), tuple(mode_names), settings.budget.limit, settings.seed)
     run_study(settings, inputs, kw["out"], kw["force"], plan, probe)
-
-
-def _study_probe(probe: str | None, prompts: int | None, guard_texts: str | None, max_length: int | None) -> dict:
-    """The settings a study on a probe needs (the probe, its prompts per length and inputs); none without one."""
-    if not probe:
-        if prompts or guard_texts or max_length:
-            raise UserError("--probe-prompts, --guard-texts and --probe-max-length go with --probe; add --probe "
-                            "passkey, copy or text")
-        return {}
-    if guard_texts and probe != "text":
-        raise UserError(f"--guard-texts feeds the probe text, not {probe}; pass --probe text")
-    if probe == "text" and not guard_texts:
-        raise UserError("--probe text reads your own long documents; pass them with --guard-texts FILE")
-    return {"guard": (probe,), "guard_texts": guard_texts, "probe_max_length": max_length,
-            "probe_prompts": ((probe, prompts or STUDY_PROBE_PROMPTS),)}
 
 
 @cli.command()

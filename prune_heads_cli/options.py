@@ -285,3 +285,53 @@ def csv_list(value: str, what: str, convert=str) -> list:
     if not items:
         raise UserError(f"--{what} is empty")
     return items
+
+STUDY_PROBE_PROMPTS = 16  # a study on a probe: prompts per length (the guard reads fewer: it pairs, not ranks)
+
+
+# -- flag rules across a command's flags (the settings' own rules are in pipeline/settings.py) ------------------
+
+
+def push_flags(push_to: str | None, private: bool, no_export: bool) -> tuple[str | None, bool]:
+    """The main command's --push-to and --private, which need an export and a repo to create."""
+    if push_to and no_export:
+        raise UserError("--push-to needs an export; drop --no-export")
+    if private and not push_to:
+        raise UserError("--private applies to the repo --push-to creates; add --push-to user/name or drop --private")
+    return push_to, private
+
+
+def guard_flag(guard: str | None, no_guard: bool) -> tuple[str, ...] | None:
+    """--guard's probes, () for --no-guard, None for the recipe's."""
+    if guard and no_guard:
+        raise UserError("--guard and --no-guard contradict each other; pass one")
+    return () if no_guard else tuple(csv_list(guard, "guard")) if guard else None
+
+
+def eval_probe_flags(probes: str | None, guard_texts: str | None, max_length: int | None) -> dict:
+    """``eval --probes``: the probes it runs, unablated and ablated, and their inputs."""
+    if guard_texts and not probes:
+        raise UserError("--guard-texts feeds the probe text; add --probes text (or passkey,copy,text)")
+    return {"guard": tuple(csv_list(probes, "probes")) if probes else (), "guard_texts": guard_texts,
+            "probe_max_length": max_length}
+
+
+def study_probe_flags(probe: str | None, prompts: int | None, guard_texts: str | None, max_length: int | None) -> dict:
+    """The settings a study on a probe needs (the probe, its prompts per length and inputs); none without one."""
+    if not probe:
+        if prompts or guard_texts or max_length:
+            raise UserError("--probe-prompts, --guard-texts and --probe-max-length go with --probe; add --probe "
+                            "passkey, copy or text")
+        return {}
+    if guard_texts and probe != "text":
+        raise UserError(f"--guard-texts feeds the probe text, not {probe}; pass --probe text")
+    return {"guard": (probe,), "guard_texts": guard_texts, "probe_max_length": max_length,
+            "probe_prompts": ((probe, prompts or STUDY_PROBE_PROMPTS),)}
+
+
+def compare_flags(model: str | None, study_a: str | None, study_b: str | None) -> None:
+    """``compare``: the two models are its arguments, and their studies come in pairs."""
+    if model:
+        raise UserError("compare takes the two models as arguments: prune-heads compare MODEL_A MODEL_B --out DIR")
+    if bool(study_a) != bool(study_b):
+        raise UserError("--study-a and --study-b go together: pass both models' study results, or neither")

@@ -286,7 +286,7 @@ def test_study_on_a_probe_judges_each_point_by_the_probe_read_under_its_masks(mo
 
 @pytest.mark.parametrize("flags, expect", [
     (["--probe-prompts", "4"], "go with --probe; add --probe passkey, copy or text"),
-    (["--probe", "text"], "--probe text reads your own long documents; pass them with --guard-texts FILE"),
+    (["--probe", "text"], "probe text reads your own long documents; pass them with --guard-texts FILE"),
     (["--probe", "passkey", "--guard-texts", "README.md"], "feeds the probe text, not passkey; pass --probe text"),
     (["--probe", "keys"], "Invalid value for '--probe'"),
     (["--probe", "copy", "--probe-prompts", "1"], "Invalid value for '--probe-prompts'"),

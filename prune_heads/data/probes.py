@@ -162,7 +162,7 @@ def build_probes(lm: LoadedModel, options: ProbeOptions, texts: list[str] | None
     if unknown:
         raise UserError(f"`guard` {','.join(unknown)} is not a probe; choose from {', '.join(PROBES)}")
     if "text" in options.names and not texts:
-        raise UserError("the `guard` probe text reads your own long documents; pass them with `guard_texts` FILE")
+        raise ValueError("the probe text needs texts (settings refuse `guard` text without `guard_texts`)")
     built = []
     for name in options.names:
         n = options.prompts_of(name)

@@ -170,7 +170,7 @@ def _check_guard(values: dict) -> None:
     if values.get("guard_texts") and "text" not in guard:
         values["guard"] = guard + ("text",)
     if "text" in values["guard"] and not values.get("guard_texts"):
-        raise UserError("the guard's probe text reads your own long documents; pass them with `guard_texts` FILE")
+        raise UserError("the probe text reads your own long documents; pass them with `guard_texts` FILE")
     cap = values.get("probe_max_length")
     if cap is not None and (not isinstance(cap, int) or cap < 64):
         raise UserError(f"`probe_max_length` {cap!r} is too short for a long-context probe; give at least 64 tokens")
