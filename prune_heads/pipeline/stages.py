@@ -51,14 +51,10 @@ from prune_heads.search.budget_search import SearchOptions
 from prune_heads.search.confirmation import ConfirmationQuestions, confirm
 from prune_heads.search.guard import Guard, GuardSetup
 from prune_heads.search.guard_sizing import GENERATED, Sizing, resolutions, size, unresolved_warning
+from prune_heads.search.pilot import predict_resolution
+from prune_heads.search.ranking import SelectionOptions, unit_ranking
 from prune_heads.search.resolution import Resolution, per_subject_for
-from prune_heads.search.selection import (
-    Selection,
-    SelectionOptions,
-    predict_resolution,
-    select_heads,
-    unit_ranking,
-)
+from prune_heads.search.selection import Selection, select_heads
 from prune_heads.search.units import UnitRanking
 from prune_heads.search.verifier import Verifier, VerifierSetup
 

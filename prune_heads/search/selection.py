@@ -1,5 +1,5 @@
-"""The search stage: rank heads by the scorer, find the largest dormant prefix within budget (budget_search.py), and
-with ``--gqa balanced`` make it remove the same number of heads from every KV group (re-verified)."""
+"""The selection: the largest dormant prefix of the ranking (ranking.py) within budget (budget_search.py), and with
+``--gqa balanced`` the same number of heads removed from every KV group (re-verified)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,9 +9,9 @@ from prune_heads.eval.results import EvalResult, PairedDelta
 from prune_heads.heads import HeadSet, ScoreTable, score_direction
 from prune_heads.plan.planner import balanced_selection
 from prune_heads.search.budget import judge
-from prune_heads.search.budget_search import SearchOptions, SearchPoint, SearchResult, search_budget
-from prune_heads.search.resolution import Resolution, predict
-from prune_heads.search.units import UnitRanking, gqa_units, head_units
+from prune_heads.search.budget_search import SearchPoint, SearchResult, search_budget
+from prune_heads.search.ranking import SelectionOptions
+from prune_heads.search.units import UnitRanking
 from prune_heads.search.verifier import Verifier
 
 
@@ -28,49 +28,6 @@ class Selection:
 
     def points(self) -> list[dict]:
         return [dict(p.to_json(), chosen=p.heads == self.heads) for p in self.search.curve()]
-
-
-@dataclass(frozen=True)
-class SelectionOptions:
-    """What the search removes and maximises: the scorer that ranks heads, the removal units (``gqa``: slices and
-    whole KV groups; ``heads``: single heads), the grouped-query rule for single heads (``exact`` | ``balanced``) and
-    how the search walks (its grid, patience, objective)."""
-
-    scorer: str = "ahon_ln"
-    units: str = "gqa"
-    gqa: str = "exact"
-    search: SearchOptions = SearchOptions()
-
-
-def unit_ranking(scores: ScoreTable, verifier: Verifier, options: SelectionOptions) -> UnitRanking:
-    """The removal units of ``--units``, most dormant first: per-head (the paper's), or GQA slices and groups
-    (uniform across layers for ``--layout uniform``; whole groups only for ``--objective kv-cache``)."""
-    geometries = verifier.planner.geometries
-    total = sum(g.num_heads for g in geometries)
-    scorer = options.scorer
-    if options.units == "heads":
-        return UnitRanking(head_units(scores.ranking(scorer)), total)
-    units = gqa_units(scores.mean(scorer), score_direction(scorer) == "low", geometries,
-                      uniform=verifier.layout == "uniform", slices=options.search.objective != "kv-cache")
-    return UnitRanking(units, total)
-
-
-def pilot_heads(ranking: UnitRanking, grid: tuple[float, ...]) -> HeadSet:
-    """The search's first grid point: the pilot ablation the budget's resolution is predicted from."""
-    return ranking.heads(ranking.prefix_for_fraction(min(grid)))
-
-
-def predict_resolution(ranking: UnitRanking, verifier: Verifier, grid: tuple[float, ...]) -> Resolution | None:
-    """Before the search: its first grid point, evaluated on every question as a pilot (cached, so the search reuses
-    it), gives the half-width a point at the budget's edge will have (resolution.py). None with --heal-in-search."""
-    if verifier.heal_in_search or not len(ranking):
-        return None
-    heads = pilot_heads(ranking, grid)
-    pilot = verifier.evaluate_complete(heads, f"pilot: {len(heads)}/{ranking.total_heads} heads off")
-    in_texts = verifier.budget.metric == "kl-text"
-    n = len(verifier.kl_text.sequences) if in_texts else len(verifier.baseline.questions)
-    return predict(verifier.budget, pilot, verifier.baseline, n,
-                   f"a pilot ablation of {len(heads)} heads, the search's first point")
 
 
 def select_heads(ranking: UnitRanking, scores: ScoreTable, verifier: Verifier,
