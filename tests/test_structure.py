@@ -225,3 +225,20 @@ def test_no_docstring_or_comment_names_a_module_that_does_not_exist():
                 if not known and parts[1] != "json" and dotted not in NOT_MODULES:
                     stale.append(f"{path.relative_to(ROOT)}:{i}: {dotted}")
     assert stale == []
+
+
+# Test files that follow a behaviour across modules rather than one module (docs/ARCHITECTURE.md, "Tests").
+CROSS_CUTTING = {"cli", "decision", "docs", "faults", "hostile", "integrity", "lm_eval", "resume", "safety",
+                 "structure", "vllm"}
+
+
+def test_a_modules_focused_test_is_found_by_its_name():
+    """tests/test_X.py tests the module or package X (a newcomer finds it by name), or is one of the cross-cutting
+    files listed in CROSS_CUTTING and in docs/ARCHITECTURE.md."""
+    names = {p.stem for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    names |= {p.name for package in PACKAGES for p in (ROOT / package).rglob("*") if p.is_dir()}
+    unnamed = [p.name for p in sorted((ROOT / "tests").glob("test_*.py"))
+               if p.stem[len("test_"):] not in names | CROSS_CUTTING]
+    assert unnamed == []
+    documented = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    assert [f"test_{n}.py" for n in sorted(CROSS_CUTTING) if f"test_{n}.py" not in documented] == []
