@@ -21,7 +21,7 @@ from exporters.checkpoint import reload_export, write_checkpoint
 from exporters.gguf.export import export_gguf
 from exporters.logits import SpilledLogits, check_logits, compare_models, reference_logits, sample_prompts
 from exporters.manifest import MANIFEST, build_manifest, export_bytes, export_stats, files_digest, sealed
-from exporters.runtimes.vllm_check import VllmStage, not_verified, prepare_vllm
+from exporters.runtimes.vllm_check import VllmCheck, not_verified, prepare_vllm
 from exporters.speed import measure_speed as measure
 from exporters.speed import speedup_text
 from exporters.stream import streamable
@@ -173,22 +173,22 @@ class _WrittenModel:
     source_parameters: int | None = None  # counted in the source files when streamed (an offloaded model's own
     # parameters() do not all show)
     reference: dict | None = None  # the reference logits the reload is checked against, until it is
-    vllm: VllmStage | dict | None = None  # the vLLM check, prepared before the source is released (or why not)
+    vllm: VllmCheck | dict | None = None  # the vLLM check, prepared before the source is released (or why not)
 
 
 def _prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Tensor, options: ExportOptions,
-                  offloaded: bool, files) -> VllmStage | dict:
+                  offloaded: bool, files) -> VllmCheck | dict:
     """The vLLM stage, prepared while the original is loaded (or the record of why not)."""
     if offloaded:
         return not_verified("part of the model was offloaded to disk; run the export in vLLM where it fits")
     return prepare_vllm(lm, choice, out, ids, options.vllm_python, options.measure_speed, files)
 
 
-def _run_vllm(stage: VllmStage | dict | None, out: Path, reloaded: LoadedModel) -> dict | None:
+def _run_vllm(check: VllmCheck | dict | None, out: Path, reloaded: LoadedModel) -> dict | None:
     """The reloaded export and the unpruned model in vLLM (the record), once the reload is checked."""
-    if not isinstance(stage, VllmStage):
-        return stage
-    return stage.run(out, reloaded.model, reloaded.dtype != torch.float32)
+    if not isinstance(check, VllmCheck):
+        return check
+    return check.compare(out, reloaded.model, reloaded.dtype != torch.float32)
 
 
 def _refuse_offloaded(offloaded: bool, files, formats) -> None:

@@ -179,7 +179,7 @@ def not_verified(why: str) -> dict:
 
 
 @dataclass
-class VllmStage:
+class VllmCheck:
     """The vLLM check of one export, prepared while the original is loaded: the Python with vLLM, the directory vLLM
     loads the unpruned model from (``scratch``: the copy written for it, removed once run), the request, the unpruned
     model's transformers numbers and the tokenizer (for the example text)."""
@@ -191,7 +191,7 @@ class VllmStage:
     unpruned_reference: dict
     tokenizer: object
 
-    def run(self, out: Path, model, upcast: bool) -> dict:
+    def compare(self, out: Path, model, upcast: bool) -> dict:
         """Both models in vLLM, the reloaded export (``model``) in transformers: the record, or an error when the
         export computes differently in vLLM."""
         say(f"running the unpruned model and the export in vLLM ({self.python})")
@@ -236,7 +236,7 @@ def _report(record: dict) -> None:
 
 
 def prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Tensor, python: str | None,
-                 measure_speed: bool, files: dict[str, Path] | None) -> VllmStage | dict:
+                 measure_speed: bool, files: dict[str, Path] | None) -> VllmCheck | dict:
     """The stage, ready to run once the export is reloaded; or the record of why the export is not run in vLLM
     (no vLLM found, or a layout vLLM has no class for). ``python``: the one the user named, if any; ``files``: the
     source's safetensors weight map when the export streams from it (exporters/stream.py), else None."""
@@ -252,7 +252,7 @@ def prepare_vllm(lm: LoadedModel, choice: LayoutChoice, out: Path, ids: torch.Te
                           throughput=THROUGHPUT if measure_speed else None)
     original, scratch = _unpruned_directory(lm, out, files)
     reference = transformers_reference(lm.model, request, lm.dtype != torch.float32)
-    return VllmStage(found, original, scratch, request, reference, lm.tokenizer)
+    return VllmCheck(found, original, scratch, request, reference, lm.tokenizer)
 
 
 def _unpruned_directory(lm: LoadedModel, out: Path, files: dict[str, Path] | None) -> tuple[Path, Path | None]:

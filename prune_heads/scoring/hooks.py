@@ -173,7 +173,7 @@ class _ScoringProbe:
         self._attention_modules.clear()
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    def scores_of(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
         """Base scores ``{key: [B, L, H]}`` of one right-padded batch."""
         dev = self.lm.device
         self.lengths = lengths.to(dev)
@@ -212,7 +212,7 @@ def score_heads(
             ids = torch.full((len(idx), int(lengths.max())), pad_id, dtype=torch.long)
             for row, i in enumerate(idx):
                 ids[row, : lengths[row]] = torch.tensor(list(sequences[i]), dtype=torch.long)
-            base = probe.run(ids, lengths)
+            base = probe.scores_of(ids, lengths)
             memory.policy().after_pass()
             for key, value in derived_scores(base).items():
                 slots = per_input.setdefault(key, [None] * len(sequences))
