@@ -99,9 +99,9 @@ def common_options(f):
         click.option("--task-limit", help="Questions of a non-MMLU task (its first N), or 'all'."),
         click.option("--kl-text", type=click.Path(dir_okay=False), help="Held-out text (JSONL 'text' or plain lines) "
                      "for the next-token KL (--metric kl-text); default: held-out questions of the task. "
-                     "lm-eval:NAME[,NAME] (generative tasks): each document's prompt and the unablated model's own "
-                     "greedy generation, the KL read on the generated tokens; the first kl_text_size documents of "
-                     "each task are searched, the next ones confirm."),
+                     "lm-eval:NAME[,NAME]: of a generative task each document's prompt and the unablated model's "
+                     "own greedy generation, the KL read on the generated tokens; of a perplexity task its documents; "
+                     "the first kl_text_size documents of each task are searched, the next ones confirm."),
         click.option("--calibration", type=click.Path(dir_okay=False),
                      help="Score on this text (JSONL 'text' or plain lines) instead of the task prompts."),
         click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),

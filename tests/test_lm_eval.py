@@ -226,6 +226,22 @@ def test_a_generative_task_is_a_budget_confirmed_on_unseen_documents_and_resumes
         assert final["num_heads_removed"] == 0
 
 
+def test_a_perplexity_task_is_a_kl_budget_on_its_documents(tmp_path, model_dir, capsys):
+    from prune_heads.data.lm_eval_tasks import rolling_texts
+
+    args = _generation_budget(model_dir, tmp_path / "r")
+    args[args.index("lm-eval:ph_gen")] = "lm-eval:ph_rolling"
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    texts = rolling_texts(load_tasks(LmEvalSpec("lm-eval:ph_rolling"))["ph_rolling"], None)
+    assert report["task"]["kl_text"]["texts"] == len(texts) == 12  # all 12 documents, fewer than kl_text_size
+    assert "ph_rolling (their text as lm-eval scores it" in report["task"]["kl_text"]["source"]
+    assert report["confirmation"]["confirmed"] is None
+    assert "has no documents after the 16 per task the search reads" in report["confirmation"]["reason"]
+    assert all(p["within_budget"] == (p["kl_text_nats"] <= 0.05) for p in report["search_points"])
+
+
 # -- bad input -----------------------------------------------------------------------------------------------------------------
 
 

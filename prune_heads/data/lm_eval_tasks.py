@@ -230,3 +230,10 @@ def task_identity(tasks: dict[str, object]) -> str:
                 if isinstance(p, str) and Path(p).is_file():
                     h.update(Path(p).read_bytes())
     return h.hexdigest()
+
+
+def rolling_texts(task, limit: int | None) -> list[tuple[int, str]]:
+    """(doc_id, text) of a perplexity task's first ``limit`` documents: the text lm-eval's loglikelihood_rolling
+    scores (its request's argument), in document order."""
+    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    return [(inst.doc_id, inst.args[0]) for inst in sorted(task.instances, key=lambda i: i.doc_id)]

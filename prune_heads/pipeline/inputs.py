@@ -20,6 +20,7 @@ from prune_heads.data.lm_eval_tasks import (
     is_lm_eval,
     load_tasks,
     multiple_choice_data,
+    rolling_texts,
     task_identity,
 )
 from prune_heads.data.mmlu import load_mmlu
@@ -111,13 +112,14 @@ def load_inputs(settings: Settings, source: ModelSource | None = None, config=No
 
 
 def generative_tasks(settings: Settings) -> dict:
-    """``kl_text`` lm-eval:NAME[,NAME...]: its tasks, each generative (their documents' generations are the text)."""
+    """``kl_text`` lm-eval:NAME[,NAME...]: its tasks, each generative (the documents' generations are the text) or a
+    perplexity task (the documents are)."""
     tasks = load_tasks(LmEvalSpec(settings.kl_text, settings.lm_eval_include, settings.num_fewshot))
     for name, task in tasks.items():
-        if task.OUTPUT_TYPE != "generate_until":
+        if task.OUTPUT_TYPE not in ("generate_until", "loglikelihood_rolling"):
             raise UserError(f"`kl_text` {settings.kl_text}: lm-eval task {name} is {task.OUTPUT_TYPE}, not "
-                            "generate_until; the next-token KL on generations reads a generative task (a "
-                            "multiple-choice one is a `task` lm-eval:NAME)")
+                            "generate_until or loglikelihood_rolling; the next-token KL reads generations or "
+                            "documents (a multiple-choice task is a `task` lm-eval:NAME)")
     return tasks
 
 
@@ -218,7 +220,7 @@ def kl_texts(work: Work, settings: Settings, inputs: Inputs) -> tuple[HeldOutTex
     if settings.metric != "kl-text" and not settings.kl_text:
         return None, None
     if inputs.kl_text_tasks is not None:
-        return generation_texts(work, settings, inputs.kl_text_tasks)
+        return lm_eval_texts(work, settings, inputs.kl_text_tasks)
     n = settings.kl_text_size
     if inputs.kl_text is not None:
         texts, source = inputs.kl_text, f"file {settings.kl_text}"
@@ -236,13 +238,47 @@ def kl_texts(work: Work, settings: Settings, inputs: Inputs) -> tuple[HeldOutTex
     return HeldOutText(encoded_texts(work.lm, texts, KL_TEXT_MAX_TOKENS, source), source), None
 
 
-def generation_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldOutText, HeldOutText | None]:
-    """``kl_text`` lm-eval:NAME: each document's prompt followed by the unablated model's own greedy generation
-    (eval.lm_eval_bridge.reference_generations), the KL read on the generated tokens only. Each task's first
+def lm_eval_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldOutText, HeldOutText | None]:
+    """``kl_text`` lm-eval:NAME: of a generative task, each document's prompt followed by the unablated model's own
+    greedy generation (eval.lm_eval_bridge.reference_generations), the KL read on the generated tokens only; of a
+    perplexity task, each document's text as lm-eval scores it, every token read. Each task's first
     ``kl_text_size`` documents are the search's text, its next ``kl_text_size`` (unless ``no_confirm``) the
     confirmation's. Generated once per model and task definition (cached: a resumed run never generates again)."""
     n = settings.kl_text_size
     limit = 2 * n if settings.confirm else n
+    generative = {k: t for k, t in tasks.items() if t.OUTPUT_TYPE == "generate_until"}
+    rows = _reference_rows(work, settings, generative, limit) if generative else []
+    for name, task in tasks.items():
+        if name not in generative:
+            ids = [(d, encode(work.lm, text)[:KL_TEXT_MAX_TOKENS]) for d, text in rolling_texts(task, limit)]
+            rows += [{"task": name, "doc_id": d, "ids": x, "generated": len(x) - 1} for d, x in ids if len(x) >= 2]
+    search, confirm = [], []
+    for name in tasks:
+        mine = [r for r in rows if r["task"] == name and r["generated"] > 0]
+        search += mine[:n]
+        confirm += mine[n:]
+    if not search:
+        raise UserError(f"`kl_text` {settings.kl_text}: no document has a token to read (the unablated model "
+                        "generated nothing, or the texts are empty); check the task's stop sequences (until), "
+                        "prompts and data")
+
+    def text(part: list[dict], which: str) -> HeldOutText:
+        pieces = []
+        for name in tasks:
+            mine = [r for r in part if r["task"] == name]
+            if mine and name in generative:
+                pieces.append(f"{which} {len(mine)} documents of lm-eval {name} with the unablated model's own greedy "
+                              f"generations ({sum(r['generated'] for r in mine)} generated tokens, the only ones read)")
+            elif mine:
+                pieces.append(f"{which} {len(mine)} documents of lm-eval {name} (their text as lm-eval scores it, "
+                              f"every token of the first {KL_TEXT_MAX_TOKENS} read)")
+        return HeldOutText([r["ids"] for r in part], "; ".join(pieces), [r["generated"] for r in part])
+
+    return text(search, "the first"), (text(confirm, "the next") if confirm else None)
+
+
+def _reference_rows(work: Work, settings: Settings, tasks: dict, limit: int) -> list[dict]:
+    """The unablated model's generations of ``tasks``' first ``limit`` documents, as token rows (cached)."""
     key = {"tasks": task_identity(tasks), "limit": limit, "num_fewshot": settings.num_fewshot}
     rows = _generated_rows(work.recall("generations", key))
     if rows is None:
@@ -250,23 +286,7 @@ def generation_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldO
 
         rows = reference_generations(work.lm, tasks, limit, work.batch_size, work.progress)
         rows = _generated_rows(work.remember("generations", key, _generated_tensors(rows)))
-    search, confirm = [], []
-    for name in tasks:
-        mine = [r for r in rows if r["task"] == name and r["generated"] > 0]
-        search += mine[:n]
-        confirm += mine[n:]
-    if not search:
-        raise UserError(f"`kl_text` {settings.kl_text}: the unablated model generated nothing on any document (it "
-                        "stopped at once); the KL on generations has no tokens to read; check the task's stop "
-                        "sequences (until) and prompts")
-    names = ", ".join(tasks)
-
-    def text(part: list[dict], which: str) -> HeldOutText:
-        source = (f"{which} {len(part)} documents of lm-eval {names} with the unablated model's own greedy "
-                  f"generations ({sum(r['generated'] for r in part)} generated tokens, the only ones read)")
-        return HeldOutText([r["ids"] for r in part], source, [r["generated"] for r in part])
-
-    return text(search, "the first"), (text(confirm, "the next") if confirm else None)
+    return rows
 
 
 def _generated_tensors(rows: list[dict]) -> dict:

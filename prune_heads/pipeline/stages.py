@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from prune_heads.console import say, warn
+from prune_heads.data.lm_eval_tasks import is_lm_eval
 from prune_heads.data.probes import ProbeOptions, ProbeSet, build_probes, probe_lengths
 from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask, encode_task
@@ -284,8 +285,12 @@ def _resolved(run: Run, guard: Guard, pilot) -> Guard:
 
 def confirmed(run: Run, verifier: Verifier, selection: Selection, guard: Guard | None,
               ranking: UnitRanking) -> tuple[Selection, dict, dict]:
+    s = run.settings
     questions = ConfirmationQuestions(run.inputs.confirmation, run.inputs.confirmation_source)
-    return confirm(verifier, questions, selection, run.settings.objective, guard, ranking)
+    if s.confirm and s.metric == "kl-text" and is_lm_eval(s.kl_text) and verifier.setup.confirm_text is None:
+        questions = ConfirmationQuestions(None, f"not confirmed: {s.kl_text} has no documents after the "
+                                                f"{s.kl_text_size} per task the search reads (`kl_text_size`)")
+    return confirm(verifier, questions, selection, s.objective, guard, ranking)
 
 
 def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
