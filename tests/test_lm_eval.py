@@ -108,7 +108,7 @@ for task in tasks.values():
     task.set_fewshot_seed(seed=1234)
     task.set_config(key="num_fewshot", value=2)
 hf = HFLM(pretrained=sys.argv[1], batch_size=4, device="cpu", dtype="float32"{remote})
-out = task_loglik(lm=hf, task_dict=tasks, limit=6, log_samples=True, verbosity="ERROR")
+out = evaluate(lm=hf, task_dict=tasks, limit=6, log_samples=True, verbosity="ERROR")
 print(json.dumps({{t: [[s["doc_id"], s["resps"]] for s in v] for t, v in out["samples"].items()}}, default=float))
 """
     proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=600,
