@@ -262,7 +262,7 @@ def lm_eval_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldOutT
                         "generated nothing, or the texts are empty); check the task's stop sequences (until), "
                         "prompts and data")
 
-    def text(part: list[dict], which: str) -> HeldOutText:
+    def held_out(part: list[dict], which: str) -> HeldOutText:
         pieces = []
         for name in tasks:
             mine = [r for r in part if r["task"] == name]
@@ -274,7 +274,7 @@ def lm_eval_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldOutT
                               f"every token of the first {KL_TEXT_MAX_TOKENS} read)")
         return HeldOutText([r["ids"] for r in part], "; ".join(pieces), [r["generated"] for r in part])
 
-    return text(search, "the first"), (text(confirm, "the next") if confirm else None)
+    return held_out(search, "the first"), (held_out(confirm, "the next") if confirm else None)
 
 
 def _reference_rows(work: Work, settings: Settings, tasks: dict, limit: int) -> list[dict]:
