@@ -29,7 +29,7 @@ from prune_heads.search.budget_search import Prefixes
 from prune_heads.search.guard import Guard, per_length
 from prune_heads.search.selection import Selection
 from prune_heads.search.units import UnitRanking
-from prune_heads.search.verifier import Verifier
+from prune_heads.search.verifier import Verifier, text_kl_mean_se
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class _TextConfirmer:
     def passes(self, point) -> bool:
         texts, budget = self.texts, self.verifier.budget
         kls = self.verifier.work.text_kls(texts.sequences, self.verifier.target(point.heads), texts.scored).double()
-        kl, se = float(kls.mean()), float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
+        kl, se = text_kl_mean_se(kls)
         ok = budget.allows(None, kl_text=kl, kl_text_se=se)  # a kl-text budget reads no accuracy
         self.report["tried"].append({"num_heads": point.num_heads, "units": point.units, "kl_text_nats": round(kl, 6),
                                       "kl_text_ci95": [round(kl - 1.96 * se, 6), round(kl + 1.96 * se, 6)],

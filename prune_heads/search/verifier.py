@@ -148,7 +148,11 @@ def with_text_kl(work: Work, kl_text: HeldOutText | None, result: EvalResult, ta
     variation) in its meta, when they are measured."""
     if kl_text is not None:
         kls = work.text_kls(kl_text.sequences, target, kl_text.scored).double()
-        result.meta["kl_text"] = float(kls.mean())
-        result.meta["kl_text_se"] = float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
+        result.meta["kl_text"], result.meta["kl_text_se"] = text_kl_mean_se(kls)
         result.meta["kl_text_cv"] = coefficient_of_variation(kls)
     return result
+
+
+def text_kl_mean_se(kls: torch.Tensor) -> tuple[float, float]:
+    """The mean next-token KL over texts and its standard error (infinite from one text)."""
+    return float(kls.mean()), float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
