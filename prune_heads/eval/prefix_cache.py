@@ -59,6 +59,14 @@ class ReservedLayer(DynamicLayer):
         self._length -= abs(tokens_to_remove)
         self._show(self.keys.shape[0])
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows ``index`` (ascending), moved to the front of the buffers (a sequence that finished
+        generating leaves its batch)."""
+        rows = len(index)
+        self._keys[:rows, :, : self._length] = self._keys[index, :, : self._length]
+        self._values[:rows, :, : self._length] = self._values[index, :, : self._length]
+        self._show(rows)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("a reserved cache is laid out for its rows once")
 

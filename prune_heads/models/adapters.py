@@ -36,6 +36,14 @@ class ArchAdapter:
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.model.layers
 
+    def full_attention(self, config) -> bool:
+        """Whether every layer attends to every earlier token (no sliding window): a prompt's tokens then compute the
+        same with padding anywhere before them, which the batched generation relies on."""
+        types = getattr(config, "layer_types", None)
+        if types is not None:
+            return all(t == "full_attention" for t in types)
+        return getattr(config, "sliding_window", None) is None
+
     def num_layers(self, model: nn.Module) -> int:
         return len(self.decoder_layers(model))
 
