@@ -184,9 +184,8 @@ def _plot_selection(run: Run, scores: ScoreTable, selection: Selection, report: 
     s, spec, staging = run.settings, run.lm.source.spec, run.staging_dir
     plots.score_heatmap(scores.mean(s.scorer), s.scorer, selection.heads, staging / "scores_heatmap.png",
                         f"{spec}: {s.scorer} (red: {len(selection.heads)} removed heads)")
-    plots.search_curve(report["search_points"], baseline.accuracy, s.budget.limit, staging / "accuracy_vs_heads.png",
-                       f"{spec}: {METRIC_NAMES.get(s.metric, s.task)} vs heads ablated by {s.scorer}",
-                       metric=s.metric)
+    plots.search_curve(report["search_points"], baseline.accuracy, s.budget, staging / "accuracy_vs_heads.png",
+                       f"{spec}: {METRIC_NAMES.get(s.metric, s.task)} vs heads ablated by {s.scorer}")
     plots.shipped_curve(report["search_points"], s.budget, staging / "budget_vs_shipped.png",
                         f"{spec}: {METRIC_NAMES.get(s.metric, s.task + ' accuracy')} vs what the export saves")
 

@@ -48,10 +48,12 @@ MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @common_options
-@click.option("--budget", "-b", help="Max accuracy drop in points (1%, 0.5, 2pt), or max KL in nats (0.05nat).")
+@click.option("--budget", "-b", help="Max drop in points (1%, 0.5, 2pt), or max KL in nats (0.05nat).")
 @click.option("--metric", type=click.Choice(list(METRIC_CHOICES)), help="What the budget limits: accuracy points on "
               "--task (mmlu and mmlu-cloze: on that task); kl, the mean KL from the unablated model over the answer "
-              "choices; kl-text, the mean next-token KL on held-out text. Both KLs have signal at chance level.")
+              "choices; on the --kl-text texts (a generative lm-eval task: the unablated model's own generations): "
+              "kl-text, the mean next-token KL (nats); token-agreement, points of next-token predictions that change; "
+              "same-generation, points of generations that change. All but accuracy have signal at chance level.")
 @click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
 @export_options
 @click.option("--units", type=click.Choice(["gqa", "heads"]), default="gqa", show_default=True,
@@ -223,7 +225,8 @@ def compare(model_a, model_b, study_a, study_b, **kw):
 def study(budget, functions, percents, modes, probe, probe_prompts, guard_texts, probe_max_length, **kw):
     """Reproduce the paper's comparison of score functions on one model: accuracy vs % of heads zeroed per
     function (dynamic, static, random), max % within budget, AUC and ranking: study.json, study.md, PNGs. With
-    --probe, the same comparison judged by long-context retrieval or copying."""
+    --probe, the same comparison judged by long-context retrieval or copying; on a generative lm-eval task
+    (--task lm-eval:NAME), by the unablated model's own generations (the share of its tokens predicted as it did)."""
     from prune_heads.report.study import StudyPlan, check_study_args
     from prune_heads_cli.measure import run_study
 
@@ -231,7 +234,7 @@ def study(budget, functions, percents, modes, probe, probe_prompts, guard_texts,
     percent_values, mode_names = csv_list(percents, "percents", float), csv_list(modes, "modes")
     check_study_args(funcs, percent_values, mode_names)
     probe_flags = study_probe_flags(probe, probe_prompts, guard_texts, probe_max_length)
-    settings, inputs = prepare(kw, budget=budget, metric="accuracy", **probe_flags)
+    settings, inputs = prepare(kw, budget=budget, metric="accuracy", any_lm_eval_task=not probe, **probe_flags)
     plan = StudyPlan(funcs, tuple(percent_values), tuple(mode_names), settings.budget.limit, settings.seed)
     run_study(settings, inputs, kw["out"], kw["force"], plan, probe)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from prune_heads.console import say, warn
-from prune_heads.data.lm_eval_tasks import is_lm_eval, load_tasks, primary_metric
+from prune_heads.data.lm_eval_tasks import NOT_CHOICES, is_lm_eval, load_tasks, primary_metric
 from prune_heads.data.tasks import results_file, task_format
 from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.lm_eval_results import document_rows, document_value, generation_summary, paired
+from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
+from prune_heads.eval.textkl import HeldOutText
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable
 from prune_heads.io.files import write_json, write_jsonl, write_text
 from prune_heads.io.staging import StagedDirectory
@@ -21,7 +23,7 @@ from prune_heads.pipeline.stages import Run, load, open_run, score, warn_chance
 from prune_heads.report import plots
 from prune_heads.report.report import scores_payload, versions, write_eval_outputs
 from prune_heads.report.study import StudyPlan
-from prune_heads.report.study_tasks import ProbeStudy, TaskStudy
+from prune_heads.report.study_tasks import GenerationStudy, ProbeStudy, TaskStudy
 from prune_heads_cli.commands import run_identity
 from prune_heads_cli.console import worded
 
@@ -71,7 +73,9 @@ def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, head
     """``prune-heads eval --task lm-eval:NAME``: lm-eval evaluates the task on the model (lm-eval's own model
     interface, ``eval.lm_eval_bridge``), unablated and with ``heads`` ablated, document by document; one JSONL record
     per document and a summary with the paired difference on each task's primary metric, and for a generative task
-    the agreement with the unablated model's own generations."""
+    the agreement with the unablated model's own generations. Every request's response is cached as it is computed
+    (lm-eval's CachingLM, per model and head set): an interrupted evaluation resumes, and a later one in the same
+    `out` with more documents (`task_limit`) computes only the new ones."""
     from prune_heads.eval.lm_eval_bridge import evaluate_tasks
 
     identity = run_identity("eval", settings, inputs, heads=heads.to_json() if heads else None)
@@ -79,9 +83,9 @@ def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, head
         run = open_run(settings, inputs, staged, encode=False)
         spec = lm_eval_spec(settings)
         base = evaluate_tasks(run.lm, load_tasks(spec), None, settings.batch_size, settings.task_limit,
-                              settings.progress)
+                              settings.progress, run.work.lm_eval_cache(None))
         ablated = (evaluate_tasks(run.lm, load_tasks(spec), heads, settings.batch_size, settings.task_limit,
-                                  settings.progress) if heads else None)
+                                  settings.progress, run.work.lm_eval_cache(heads)) if heads else None)
         summary = {"model": run.lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
                    "task": settings.task, "ablated_heads": heads.to_json() if heads else {},
                    "lm_eval": {"unablated": _plain(base["results"]), **({"ablated": _plain(ablated["results"])}
@@ -137,8 +141,10 @@ def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict
     summary["agreement"] = round(agreement(result, baseline), 6)
     kl_text, _ = kl_texts(run.work, run.settings, run.inputs)
     if kl_text is not None:
-        nats = run.work.text_kls(kl_text.sequences, heads, kl_text.scored).mean()
-        summary["kl_text"] = {"nats": round(float(nats), 6), "source": kl_text.source}
+        damage = run.work.text_damage(kl_text.sequences, heads, kl_text.scored)
+        summary["kl_text"] = {"nats": round(float(damage.kl.mean()), 6),
+                              "token_agreement": round(float(damage.agreement.mean()), 6),
+                              "same_generation": round(float(damage.same.mean()), 6), "source": kl_text.source}
     return warn_chance(baseline, task=run.settings.task)
 
 
@@ -203,13 +209,16 @@ def run_study(settings: Settings, inputs: Inputs, out: Path, force: bool, plan: 
 
     # The functions, percents and modes are left out: a study resumed with more of them extends the same study.
     identity = run_identity("study", settings, inputs, **({"probe": probe} if probe else {}))
+    generative = not probe and NOT_CHOICES in inputs.questions.notes  # an lm-eval task that is not multiple choice
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
-        run = open_run(settings, inputs, staged, encode=probe is None)
-        task, eval_scores, calib_scores, calib = _probe_study(run, probe) if probe else _task_study(run)
+        run = open_run(settings, inputs, staged, encode=probe is None and not generative)
+        task, eval_scores, calib_scores, calib = (_probe_study(run, probe) if probe else
+                                                  _generation_study(run) if generative else _task_study(run))
         what = f"the {probe} probe" if probe else settings.task
         say(f"study of {run.lm.source.spec} on {what} ({task.inputs} {task.unit}): {len(plan.functions)} "
             f"functions x {len(plan.percents)} percents, modes {', '.join(plan.modes)}")
-        warning = _probe_floor(task, plan) if probe else warn_chance(task.baseline, "accuracy", settings.task)
+        warning = (_probe_floor(task, plan) if probe else None if generative
+                   else warn_chance(task.baseline, "accuracy", settings.task))
         result = study_curves(task, eval_scores, calib_scores, plan)
         payload = {"model": run.lm.source.to_json(), "task": f"probe:{probe}" if probe else settings.task,
                    "settings": settings.to_json(), "versions": versions(), "calibration": calib,
@@ -266,6 +275,31 @@ def _probe_study(run: Run, name: str) -> tuple[ProbeStudy, ScoreTable, ScoreTabl
     else:
         calib_scores, calib = eval_scores, f"the probe's {len(probe.items)} prompts (without their targets)"
     return ProbeStudy(run.work, probe, baseline), eval_scores, calib_scores, calib
+
+
+STUDY_DOCUMENTS = 32  # documents of a generative task a study reads unless `task_limit` says otherwise
+
+
+def _generation_study(run: Run) -> tuple[GenerationStudy, ScoreTable, ScoreTable, str]:
+    """A generative (or perplexity) lm-eval task, label-free: the first ``task_limit`` documents (32) with the
+    unablated model's own generations (cached); each document scored on its prompt (what the model reads before it
+    generates), the static selections calibrated on the same prompts unless a calibration file is given."""
+    from prune_heads.pipeline.inputs import calibration_sequences, lm_eval_rows
+
+    s = run.settings
+    tasks = load_tasks(lm_eval_spec(s))
+    rows = [r for r in lm_eval_rows(run.work, s, tasks, s.task_limit or STUDY_DOCUMENTS) if r["generated"] > 0]
+    if not rows:
+        raise UserError(f"`task` {s.task}: no document has a generated token to read; check the task's stop "
+                        "sequences (until), prompts and data")
+    texts = HeldOutText([r["ids"] for r in rows], f"{len(rows)} documents of {s.task} with the unablated model's "
+                        f"own greedy generations ({sum(r['generated'] for r in rows)} tokens read)",
+                        [r["generated"] for r in rows])
+    eval_scores = run.work.scores([r["ids"][: len(r["ids"]) - r["generated"]] for r in rows])
+    if run.inputs.calibration is None:
+        return GenerationStudy(run.work, texts), eval_scores, eval_scores, f"the {len(rows)} documents' prompts"
+    calib_scores = run.work.scores(calibration_sequences(run.lm, s, run.inputs, None)[0])
+    return GenerationStudy(run.work, texts), eval_scores, calib_scores, f"file {s.calibration}"
 
 
 def _probe_floor(task: ProbeStudy, plan: StudyPlan) -> str | None:

@@ -185,8 +185,8 @@ def check_heads(heads: HeadSet, config) -> None:
 
 def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False, **extra):
     """(Settings, Inputs) of a command: flags over the recipe, checked, and every input read, before weights load.
-    ``any_lm_eval_task``: the command evaluates generative and perplexity lm-eval tasks too (``eval``); the others
-    judge multiple-choice questions."""
+    ``any_lm_eval_task``: the command evaluates generative and perplexity lm-eval tasks too (``eval``, ``study``);
+    the others judge multiple-choice questions."""
     from prune_heads.models.loading import load_config, resolve_source
     from prune_heads.pipeline.inputs import load_inputs
     from prune_heads.pipeline.settings import resolve_settings
@@ -229,9 +229,9 @@ def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False
     inputs = load_inputs(settings, source, config, flag_paths())
     if NOT_CHOICES in inputs.questions.notes and not any_lm_eval_task:
         raise UserError(f"`task` {settings.task} is not multiple choice (generative or perplexity): a budget reads "
-                        f"generation as the next-token KL on the unablated model's own generations (`metric` kl-text, "
-                        f"`kl_text` {settings.task}, a multiple-choice `task` beside it); prune-heads eval measures "
-                        "it, unablated and ablated")
+                        f"generation on the unablated model's own generations (`metric` kl-text, token-agreement or "
+                        f"same-generation with `kl_text` {settings.task}, a multiple-choice `task` beside it); "
+                        "prune-heads eval and study measure it")
     return settings, inputs
 
 

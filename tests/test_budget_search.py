@@ -73,8 +73,11 @@ def test_kl_budgets(text, metric, expected):
 def test_budget_unit_must_match_metric():
     with pytest.raises(UserError, match="in nats, but `metric` is mmlu"):
         Budget.parse("0.05nat", "mmlu")
-    with pytest.raises(UserError, match="in accuracy points, but `metric` is kl"):
+    with pytest.raises(UserError, match="in points, but `metric` is kl, which is measured in nats"):
         Budget.parse("1%", "kl")
+    with pytest.raises(UserError, match="in nats, but `metric` is same-generation, which is measured in points"):
+        Budget.parse("0.05nat", "same-generation")
+    assert Budget.parse("5pt", "token-agreement").limit == 5.0 and not Budget.parse("5", "same-generation").in_nats
 
 
 def test_answer_kl_and_agreement_by_hand():

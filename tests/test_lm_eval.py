@@ -127,9 +127,12 @@ print(json.dumps({{t: [[s["doc_id"], s["resps"]] for s in v] for t, v in out["sa
                 assert np.allclose(got, want, atol=1e-3), (name, doc_id, got, want)
 
 
-def test_the_budgets_kl_on_generations_equals_evals_teacher_forced_kl_per_document(lm):
+def test_the_budgets_measures_on_generations_equal_evals_per_document(lm):
+    """What a text budget reads of each document (next_token_damage on the unablated model's generation, as
+    generated) is what ``eval`` reports (KL, token agreement), and the teacher-forced same-generation is the truth:
+    the ablated model's own greedy generation is token for token the unablated one's exactly where it says so."""
     from prune_heads.eval.lm_eval_bridge import evaluate_tasks, generation_agreement, reference_generations
-    from prune_heads.eval.textkl import next_token_kl
+    from prune_heads.eval.textkl import next_token_damage
 
     spec = LmEvalSpec("lm-eval:ph_gen")
     rows = reference_generations(lm, load_tasks(spec), 8, 4, progress=False)
@@ -140,9 +143,17 @@ def test_the_budgets_kl_on_generations_equals_evals_teacher_forced_kl_per_docume
     by_doc = lambda out: sorted(out["samples"]["ph_gen"], key=lambda s: s["doc_id"])  # noqa: E731
     theirs = generation_agreement(ablated["model"], base["model"], by_doc(ablated), by_doc(base))
     kept = [i for i, r in enumerate(rows) if r["generated"]]
-    ours = next_token_kl(lm, [rows[i]["ids"] for i in kept], HEADS, 3, [rows[i]["generated"] for i in kept])
+    ours = next_token_damage(lm, [rows[i]["ids"] for i in kept], HEADS, 3, [rows[i]["generated"] for i in kept])
     expect = torch.tensor([theirs[i]["kl_per_token"] for i in kept], dtype=torch.float64)
-    assert torch.allclose(ours, expect, rtol=1e-4, atol=1e-6) and float(expect.min()) > 0
+    assert torch.allclose(ours.kl, expect, rtol=1e-4, atol=1e-6) and float(expect.min()) > 0
+    agree = torch.tensor([theirs[i]["token_agreement"] for i in kept], dtype=torch.float64)
+    assert torch.allclose(ours.agreement, agree)
+    light = HeadSet.of({3: [0]})  # changes some generations, not all
+    ablated = evaluate_tasks(lm, load_tasks(spec), light, 4, 8)
+    generated = [ablated["model"].generated_ids(s)[1] == base["model"].generated_ids(b)[1]
+                 for s, b in zip(by_doc(ablated), by_doc(base))]
+    same = next_token_damage(lm, [rows[i]["ids"] for i in kept], light, 3, [rows[i]["generated"] for i in kept]).same
+    assert same.tolist() == [float(generated[i]) for i in kept] and 0 < same.sum() < len(kept)
 
 
 # -- the commands ------------------------------------------------------------------------------------------------------------
@@ -170,6 +181,49 @@ def test_eval_writes_one_record_per_document_and_the_paired_summary(tmp_path, mo
     assert summary["tasks"]["ph_rolling"]["paired"]["unit"] == "nats per unit"
     assert 0 <= summary["tasks"]["ph_gen"]["generation"]["same_generation"] <= 1
     assert "exact_match,strip" in summary["lm_eval"]["ablated"]["ph_gen"]
+
+
+def test_evals_lm_eval_runs_resume_and_a_longer_run_computes_only_the_new_documents(tmp_path, model_dir, capsys,
+                                                                                  monkeypatch):
+    """lm-eval's request cache (CachingLM) per model and head set: after an interruption nothing finished is computed
+    again, and the same command with more documents computes only those; the records equal an uncached run's."""
+    from prune_heads.eval import lm_eval_bridge
+    from prune_heads.eval.lm_eval_bridge import VerifiedLM
+
+    heads = tmp_path / "h.json"
+    heads.write_text(json.dumps({"0": [0, 1, 2], "3": [5]}))
+    def args(out, limit, *extra):
+        return ["eval", "--model", model_dir, "--task", "lm-eval:ph_gen,ph_rolling", "--task-limit", limit,
+                "--ablate", heads, "--out", out, "--no-progress", *extra]
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:  # interrupted after both evaluations, at the agreement
+        patch.setattr(lm_eval_bridge, "generation_agreement", interrupted)
+        code, _, _ = run_cli(args(tmp_path / "e", "4"), capsys)
+    assert code == 130 and any((tmp_path / ".e.partial" / "cache").glob("lm-eval-*.sqlite"))
+    seen = []
+    for method in ("generate_until", "loglikelihood_rolling"):
+        real = getattr(VerifiedLM, method)
+        monkeypatch.setattr(VerifiedLM, method, lambda self, requests, *a, _real=real, _m=method, **k: (
+            seen.append((_m, len(requests))), _real(self, requests, *a, **k))[1])
+    code, _, err = run_cli(args(tmp_path / "e", "4"), capsys)
+    assert code == 0 and seen == [], (seen, err)  # every response came from the cache
+    code, _, err = run_cli(args(tmp_path / "e", "6", "--force"), capsys)
+    assert code == 0, err
+    assert sorted(seen) == sorted([("generate_until", 2), ("loglikelihood_rolling", 2)] * 2), seen  # 2 new each
+    fresh = tmp_path / "fresh"
+    code, _, err = run_cli(args(fresh, "6"), capsys)
+    assert code == 0, err
+    name = next((tmp_path / "e").glob("*.jsonl")).name
+    rows = [[json.loads(line) for line in (d / name).read_text().splitlines()] for d in (tmp_path / "e", fresh)]
+    assert len(rows[0]) == len(rows[1]) == 12
+    for mine, theirs in zip(*rows):  # batches differ (4 + 2 documents against 6): float rounding apart
+        assert mine.keys() == theirs.keys() and mine.get("generation") == theirs.get("generation")
+        for k, v in mine.items():
+            if isinstance(v, float):
+                assert v == pytest.approx(theirs[k], rel=1e-4, abs=1e-5), k
 
 
 def test_the_main_command_verifies_a_budget_on_an_lm_eval_task(tmp_path, model_dir, capsys):
@@ -224,6 +278,46 @@ def test_a_generative_task_is_a_budget_confirmed_on_unseen_documents_and_resumes
         assert final["num_heads_removed"] == confirmation["num_heads"] > 0 and final["kl_text_nats"] <= 0.05
     else:
         assert final["num_heads_removed"] == 0
+
+
+@pytest.mark.parametrize("metric,share,limit", [("token-agreement", "token_agreement", 30),
+                                                ("same-generation", "same_generation", 70)])
+def test_token_agreement_and_same_generation_are_budgets_on_generations(tmp_path, model_dir, capsys, metric, share,
+                                                                        limit):
+    """The label-free measures of generation as budgets in points: each searched point is within budget exactly when
+    the points it changes (100 x (1 - share)) are at most the budget, and the chosen point is confirmed on the next
+    documents in the same unit. (A random tiny model: one head can change more than two.)"""
+    args = _generation_budget(model_dir, tmp_path / "a", "--units", "heads")
+    args[args.index("kl-text")], args[args.index("0.05nat")] = metric, f"{limit}pt"
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert report["budget"]["metric"] == metric and report["budget"]["unit"] == "points"
+    points = [p for p in report["search_points"] if p["num_heads"]]
+    assert points and all(p["within_budget"] == (100 * (1 - p[share]) <= limit + 1e-9) for p in points)
+    assert any(p["within_budget"] for p in points) and any(not p["within_budget"] for p in points)
+    confirmation = report["confirmation"]
+    assert confirmation["texts"] == 16 and confirmation["tried"]
+    for p in confirmation["tried"]:
+        assert p["within_budget"] == (p["budget_value"] <= limit + 1e-9)
+        assert p["budget_value"] == pytest.approx(100 * (1 - p[share]), abs=1e-3)
+    final = report["final"]
+    assert final["num_heads_removed"] == (confirmation["num_heads"] if confirmation["confirmed"] else 0)
+
+
+def test_a_budget_unit_or_text_that_contradicts_the_metric_is_one_line(tmp_path, model_dir, capsys):
+    args = _generation_budget(model_dir, tmp_path / "o")
+    args[args.index("kl-text")] = "token-agreement"
+    code, _, err = run_cli(args, capsys)  # 0.05nat
+    _one_line(code, err, "is in nats, but --metric is token-agreement, which is measured in points")
+    args[args.index("token-agreement")], args[args.index("0.05nat")] = "same-generation", "5pt"
+    args[args.index("lm-eval:ph_gen")] = "lm-eval:ph_rolling"
+    code, _, err = run_cli(args, capsys)
+    _one_line(code, err, "lm-eval task ph_rolling is loglikelihood_rolling (it generates nothing)")
+    cut = args.index("--kl-text")
+    code, _, err = run_cli(args[:cut] + args[cut + 2:], capsys)
+    _one_line(code, err, "--metric same-generation compares greedy generations of a generative lm-eval task")
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_perplexity_task_is_a_kl_budget_on_its_documents(tmp_path, model_dir, capsys):
@@ -325,6 +419,25 @@ def test_study_and_export_read_an_lm_eval_task(tmp_path, model_dir, capsys):
     assert code == 0, err
     meta = json.loads((tmp_path / "x" / "prune_heads.json").read_text())
     assert meta["task"] == "lm-eval:ph_mc" and meta["task_eval"]["n"] == 8
+
+
+def test_study_curves_on_a_generative_task_in_every_mode(tmp_path, model_dir, capsys):
+    """A study judged by the unablated model's own generations (label-free): every mode has a curve that starts at
+    100% of generated tokens predicted as unablated and falls as heads go, with the share of generations left the
+    same beside it; dynamic ablation gives each document its own head mask."""
+    code, _, err = run_cli(["study", "--model", model_dir, "--task", "lm-eval:ph_gen", "--task-limit", "6", "--percents",
+                            "0,20,50", "--functions", "ahon_ln,awft", "--out", tmp_path / "s", "--no-progress"],
+                           capsys)
+    assert code == 0, err
+    study = json.loads((tmp_path / "s" / "study.json").read_text())
+    assert study["baseline"]["accuracy"] == 1.0 and study["baseline"]["n"] == 6
+    assert "generated tokens predicted" in study["measure"] and (tmp_path / "s" / "study_curves.png").is_file()
+    curves = {(c["function"], c["mode"]): c["points"] for c in study["curves"]}
+    assert {m for _, m in curves} == {"dynamic", "static", "random"}
+    for points in curves.values():
+        assert points[0]["accuracy"] == 1.0 and points[-1]["accuracy"] < 1.0
+        assert all(p["same_generation"] == 1.0 for p in points if p["accuracy"] == 1.0)  # every token: the same text
+        assert points[-1]["kl_text_nats"] > 0
 
 
 # -- the built-in 0-shot tasks equal lm-eval's own definitions on the same rows --------------------------------------

@@ -14,7 +14,7 @@ from prune_heads.errors import UserError
 from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.passes import task_loglik, task_loglik_many, task_loglik_reference
 from prune_heads.eval.results import EvalResult, answer_kl
-from prune_heads.eval.textkl import next_token_kl
+from prune_heads.eval.textkl import next_token_damage
 from prune_heads.heads import HeadSet
 from prune_heads.plan.ablation import ablate
 
@@ -147,20 +147,27 @@ def test_mmlu_cloze_batched_many_sets_and_dynamic_masks_equal_reference(tmp_path
 # --- next-token KL -----------------------------------------------------------------------------------------------
 
 
-def test_next_token_kl_by_hand_and_zero_against_itself():
+def test_next_token_damage_by_hand_and_none_against_itself():
     lm = tiny_model("qwen3")
     seqs = [[5, 9, 33, 7, 100, 4], [8, 8, 300], [1, 2]]
     heads = HeadSet.of({0: [0, 4], 3: [1]})
-    kl = next_token_kl(lm, seqs, heads, batch_size=2)
+    damage = next_token_damage(lm, seqs, heads, batch_size=2)
+    scored = next_token_damage(lm, seqs, heads, batch_size=2, scored=[3, 1, 1])
     for i, s in enumerate(seqs):
         ids = torch.tensor([s])
         p = torch.log_softmax(lm.model(input_ids=ids).logits.double(), -1)[0]
         with ablate(lm, heads):
             q = torch.log_softmax(lm.model(input_ids=ids).logits.double(), -1)[0]
-        expected = (p.exp() * (p - q)).sum(-1).mean()
-        assert kl[i].item() == pytest.approx(expected.item(), rel=1e-4, abs=1e-7)
-    assert kl.min() > 0
-    assert torch.allclose(next_token_kl(lm, seqs, HeadSet(), batch_size=2), torch.zeros(3, dtype=torch.float64))
+        kl, agree = (p.exp() * (p - q)).sum(-1), (p.argmax(-1) == q.argmax(-1)).double()
+        assert damage.kl[i].item() == pytest.approx(kl.mean().item(), rel=1e-4, abs=1e-7)
+        assert damage.agreement[i].item() == pytest.approx(agree.mean().item())
+        assert damage.same[i].item() == float(bool(agree.all()))
+        n = [3, 1, 1][i]  # the last n tokens, predicted at positions len-1-n .. len-2
+        assert scored.kl[i].item() == pytest.approx(kl[len(s) - 1 - n:len(s) - 1].mean().item(), rel=1e-4, abs=1e-7)
+        assert scored.agreement[i].item() == pytest.approx(agree[len(s) - 1 - n:len(s) - 1].mean().item())
+    assert damage.kl.min() > 0 and damage.agreement.min() < 1
+    none = next_token_damage(lm, seqs, HeadSet(), batch_size=2)
+    assert torch.allclose(none.kl, torch.zeros(3, dtype=torch.float64)) and none.same.tolist() == [1.0] * 3
 
 
 # --- CLI on fixture files ---------------------------------------------------------------------------------------

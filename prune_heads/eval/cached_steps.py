@@ -1,10 +1,11 @@
-"""The expensive steps of a run (scoring, task evaluations, text KL), each cached by everything it depends on, so an
-interrupted or changed run repeats no finished work (see cache.py). Under torchrun each step is shared out across
-the ranks and gathered back in order (parallel.py); rank 0 alone reads and writes the cache."""
+"""The expensive steps of a run (scoring, task evaluations, next-token damage on text), each cached by everything it
+depends on, so an interrupted or changed run repeats no finished work (see cache.py). Under torchrun each step is
+shared out across the ranks and gathered back in order (parallel.py); rank 0 alone reads and writes the cache."""
 from __future__ import annotations
 
 import hashlib
 import itertools
+from pathlib import Path
 
 import torch
 
@@ -14,9 +15,9 @@ from prune_heads.eval.encoding import EncodedTask, task_span
 from prune_heads.eval.passes import task_loglik, task_loglik_many
 from prune_heads.eval.probes import METRIC_FIELDS, ProbeResult, probe_pass
 from prune_heads.eval.results import EvalResult
-from prune_heads.eval.textkl import next_token_kl
+from prune_heads.eval.textkl import TextDamage, next_token_damage
 from prune_heads.heads import HeadSet, ScoreTable
-from prune_heads.io.cache import ResultCache, tokens_digest
+from prune_heads.io.cache import ResultCache, digest, tokens_digest
 from prune_heads.io.parallel import LOCAL, Ranks
 from prune_heads.io.staging import StagedDirectory
 from prune_heads.models.batching import text_batches
@@ -94,19 +95,28 @@ class Work:
         return ablation, {**(model_key or self.model_key), "what": "task", "task": enc.task,
                           "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.batch_size}
 
-    def text_kls(self, sequences: list[list[int]], target, scored: list[int] | None = None) -> torch.Tensor:
-        """Next-token KL(unablated || ablated) of each held-out text, nats (``scored``: only each text's last so many
-        tokens, textkl.next_token_kl); cached like evaluations."""
+    def text_damage(self, sequences: list[list[int]], target, scored: list[int] | None = None) -> TextDamage:
+        """The next-token damage of each held-out text (KL(unablated || ablated) in nats, greedy agreement, all
+        agreeing; ``scored``: only each text's last so many tokens, textkl.next_token_damage); cached like
+        evaluations."""
         ablation = self.ablation_key(target)
         if ablation is None:
-            return torch.zeros(len(sequences), dtype=torch.float64)
-        key = {**self.model_key, "what": "kl_text", "tokens": tokens_digest(sequences), "ablation": ablation,
+            return TextDamage.empty(len(sequences))
+        key = {**self.model_key, "what": "text_damage", "tokens": tokens_digest(sequences), "ablation": ablation,
                "batch": self.batch_size, **({"scored": tokens_digest([scored])} if scored is not None else {})}
-        hit = self._get("kltext", key)
+        hit = self._get("textdamage", key)
         if hit is None:
-            hit = {"kl": self._kl_shared(sequences, target, scored)}
-            self.cache.put("kltext", key, hit)
-        return hit["kl"]
+            hit = self._damage_shared(sequences, target, scored).to_tensors()
+            self.cache.put("textdamage", key, hit)
+        return TextDamage(**hit)
+
+    def lm_eval_cache(self, target) -> Path | None:
+        """Where lm-eval's own request cache of this model with ``target`` ablated lives (an SQLite file beside the
+        other entries, ``lm_eval_bridge.evaluate_tasks``), None without a cache directory (or off rank 0)."""
+        if self.cache.directory is None or not self.ranks.root:
+            return None
+        key = {**self.model_key, "what": "lm_eval", "ablation": self.ablation_key(target), "batch": self.batch_size}
+        return self.cache.directory / f"lm-eval-{digest(key)[:32]}.sqlite"
 
     def probe(self, probe: ProbeSet, target, label: str = "") -> ProbeResult:
         """A long-context probe with ``target`` ablated (None: unablated), cached like evaluations. Every rank reads
@@ -180,17 +190,21 @@ class Work:
                 tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
         return ScoreTable(tables, [len(s) for s in seqs])
 
-    def _kl_shared(self, sequences: list[list[int]], target, scored: list[int] | None) -> torch.Tensor:
-        """Next-token KL per text, each rank taking its deal of the longest-first batches."""
+    def _damage_shared(self, sequences: list[list[int]], target, scored: list[int] | None) -> TextDamage:
+        """Next-token damage per text, each rank taking its deal of the longest-first batches."""
         if self.ranks.size == 1:
-            return next_token_kl(self.lm, sequences, target, self.batch_size, scored)
-        out = torch.zeros(len(sequences), dtype=torch.float64)
+            return next_token_damage(self.lm, sequences, target, self.batch_size, scored)
+        out = TextDamage.empty(len(sequences))
+        per_row = isinstance(target, torch.Tensor) and target.dim() == 3  # one mask per text
+
         def step(mine):
-            return next_token_kl(self.lm, [sequences[i] for i in mine], target, self.batch_size,
-                                 None if scored is None else [scored[i] for i in mine])
+            return next_token_damage(self.lm, [sequences[i] for i in mine], target[mine] if per_row else target,
+                                     self.batch_size, None if scored is None else [scored[i] for i in mine]
+                                     ).to_tensors()
 
         for idx, part in self._on_text_share(sequences, True, step):
-            out[idx] = part
+            for name, values in part.items():
+                getattr(out, name)[idx] = values
         return out
 
     def _on_text_share(self, sequences: list[list[int]], full_logits: bool, step) -> list[tuple[list[int], object]]:

@@ -1,26 +1,36 @@
 """lm-evaluation-harness's model interface (``lm_eval.api.model.LM``) on the model as it is verified.
 
 lm-eval owns the tasks: documents, prompts, few-shot exemplars, stop sequences, filters and metrics. prune-heads owns
-the model: ``VerifiedLM`` is lm-eval's own ``HFLM`` (its tokenisation, batching, rolling windows and greedy generation
-with a KV cache and left padding) over the loaded model, with the head set or plan applied around every forward pass
-and every generation, exactly as verification applies it. Unablated, it is stock lm-eval on the same weights.
+the model: ``VerifiedLM`` is lm-eval's own ``HFLM`` (its tokenisation, batching and rolling windows) over the loaded
+model, with the head set or plan applied around every forward pass and every generation, exactly as verification
+applies it. Greedy generation runs through ``eval.generation`` (a shared few-shot prefix computed once, an in-place KV
+cache, finished documents leaving the batch): the text HFLM generates for each document alone. Unablated, it is stock
+lm-eval on the same weights.
 
 Generative tasks are also measured without labels (``generation_agreement``): a model at chance on a task still
 changes when heads go, and the change is read against the unablated model's own greedy output of the same document:
-whether the whole generation is the same, and, teacher-forced on that output, the share of its tokens the ablated
-model predicts and the mean KL(unablated || ablated) per token.
+whether the whole generation is the same, and, teacher-forced on that output (its tokens as generated), the share of
+its tokens at which the ablated model predicts what the unablated model does and the mean KL(unablated || ablated) per
+token: the measures a text budget reads (``--metric kl-text``, ``token-agreement``, ``same-generation``).
 
 Imported only where an lm-eval task is asked for (the ``lm-eval`` extra).
 """
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import nullcontext
+from pathlib import Path
+from typing import Iterator, MutableMapping
 
 import torch
 from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from tqdm import tqdm
 
+from prune_heads.eval.generation import GreedyRequest, greedy_batches
+from prune_heads.eval.textkl import next_token_damage
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import ablate
 
@@ -37,6 +47,9 @@ class VerifiedLM(HFLM):
         finally:
             said.setLevel(level)
         self.loaded, self.target, self.progress = lm, target, progress
+        # json [context, generation arguments] -> the prompt's token ids and the tokens generated for it, as
+        # generated (a dict, or with a cache the table beside lm-eval's own: ``evaluate_tasks``)
+        self.generated: MutableMapping[str, tuple[list[int], list[int]]] = {}
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
@@ -45,7 +58,56 @@ class VerifiedLM(HFLM):
         return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or not self.progress)
 
     def generate_until(self, requests, disable_tqdm: bool = False):
-        return super().generate_until(requests, disable_tqdm=disable_tqdm or not self.progress)
+        """lm-eval's greedy requests through ``eval.generation`` (the same text HFLM generates for each document alone,
+        faster); anything else (sampling, a thinking-token setting, a model whose generation config processes
+        logits, sliding-window attention) through HFLM's own ``generate_until``."""
+        quiet = disable_tqdm or not self.progress
+        if not (all(_greedy(r.args[1]) for r in requests) and _plain_generation(self.model, self.think_end_token)
+                and self.loaded.arch.full_attention(self.model.config)):
+            return super().generate_until(requests, disable_tqdm=quiet)
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):  # as HFLM: one group per set of generation arguments
+            groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
+        results: list[str] = [""] * len(requests)
+        with tqdm(total=len(requests), disable=quiet, desc="Running generate_until requests") as bar, self.ablated():
+            for key, idx in groups.items():
+                for i, text in self._generate_group([requests[i] for i in idx], key):
+                    results[idx[i]] = text
+                    bar.update(1)
+        return results
+
+    def _generate_group(self, requests: list, key: str) -> Iterator[tuple[int, str]]:
+        """(index in ``requests``, generated text) as each batch finishes, each handed to lm-eval's cache hook (a
+        ``CachingLM`` keeps it: an interrupted evaluation resumes from the last finished batch)."""
+        contexts, gen_kwargs = [r.args[0] for r in requests], requests[0].args[1]
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id,
+                                                                                     skip_special_tokens=False))
+        max_new = kwargs.pop("max_gen_toks")
+        prompts = []
+        for c in contexts:  # HFLM's encoding of each context, left-truncated to leave room for the generation
+            ids, mask = self.tok_batch_encode([c], left_truncate_len=self.max_length - max_new,
+                                              truncation=self.truncation)
+            prompts.append(ids[0][mask[0].bool()].tolist())
+        eos = self.model.generation_config.eos_token_id
+        request = GreedyRequest(max_new, tuple(until), frozenset([eos] if isinstance(eos, int) else eos or []))
+        for chunk, generated in greedy_batches(self.loaded, prompts, request, self.batch_size):
+            for i, g in zip(chunk, generated):
+                self.generated[json.dumps([contexts[i], key])] = (prompts[i], g)
+                text = postprocess_generated_text(self.tok_decode(g), until, self.think_end_token)
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                yield i, text
+
+    def generated_ids(self, sample: dict) -> tuple[list[int], list[int]]:
+        """(prompt ids, generated ids) of a generative sample this model generated: the tokens exactly as generated
+        (the one that ended the generation included) where ``eval.generation`` generated them, else the logged text
+        encoded after its prompt (HFLM's own generation)."""
+        context, gen_kwargs = sample["arguments"][0]
+        raw = self.generated.get(json.dumps([context, json.dumps(gen_kwargs, sort_keys=True, default=str)]))
+        if raw is not None:
+            return raw
+        generated = sample["resps"][0][0]
+        return self._encode_pair(context, generated) if generated else (self.tok_encode(context), [])
 
     def ablated(self):
         return ablate(self.loaded, self.target) if self.target is not None else nullcontext()
@@ -59,42 +121,77 @@ class VerifiedLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 
+def _greedy(gen_kwargs: dict) -> bool:
+    kwargs = normalize_gen_kwargs(gen_kwargs)
+    return not kwargs.get("do_sample") and not ({"max_length", "num_beams", "num_return_sequences"} & set(kwargs))
+
+
+LOGITS_PROCESSING = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
+                     "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                     "sequence_bias", "encoder_repetition_penalty")
+
+
+def _plain_generation(model, think_end_token) -> bool:
+    """Whether greedy ``model.generate`` is a plain argmax per token (no logits processor from the model's
+    generation config) and lm-eval keeps the whole generation (no thinking-token cut by token id)."""
+    config = model.generation_config
+    defaults = {"repetition_penalty": 1.0, "min_length": 0, "min_new_tokens": None, "no_repeat_ngram_size": 0}
+    return not isinstance(think_end_token, int) and all(
+        getattr(config, k, None) in (None, defaults.get(k)) for k in LOGITS_PROCESSING)
+
+
 def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 8, limit: int | None = None,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, cache_db: Path | None = None) -> dict:
     """lm-eval's ``evaluate`` of ``tasks`` (fresh lm-eval Task objects: lm-eval builds their requests) on ``lm`` with
-    ``target`` ablated: its results, per-document samples and the model it ran (for teacher forcing)."""
+    ``target`` ablated: its results, per-document samples and the model it ran (for teacher forcing).
+
+    ``cache_db``: lm-eval's own request cache (``CachingLM``, an SQLite file) for this model and ``target``: each
+    request's response is kept as it is computed, so an interrupted evaluation resumes and a later one with more
+    documents computes only the new ones; the generated token ids are kept beside it (table ``generated_ids``)."""
     model = VerifiedLM(lm, target, batch_size, progress)
-    out = evaluate(lm=model, task_dict=tasks, limit=limit, log_samples=True, verbosity="ERROR")
+    runs = model
+    if cache_db is not None:
+        from lm_eval.api.model import CachingLM
+        from sqlitedict import SqliteDict
+
+        model.generated = SqliteDict(str(cache_db), tablename="generated_ids", autocommit=True)
+        runs = CachingLM(model, str(cache_db))
+    said = logging.getLogger("lm_eval.api.model")
+    level, _ = said.level, said.setLevel(logging.WARNING)  # CachingLM's per-call info lines
+    try:
+        out = evaluate(lm=runs, task_dict=tasks, limit=limit, log_samples=True, verbosity="ERROR")
+    finally:
+        said.setLevel(level)
     return {"results": out["results"], "samples": out["samples"], "model": model}
 
 
-@torch.no_grad()
 def generation_agreement(model: VerifiedLM, reference: VerifiedLM, samples: list[dict],
                          reference_samples: list[dict]) -> list[dict]:
-    """Per document of a generative task: whether ``model``'s generation equals ``reference``'s (the unablated
-    model's), and, teacher-forced on ``reference``'s generation, the share of its tokens ``model`` predicts (greedy)
-    and the mean KL(reference || model) per token. Documents whose reference generated nothing count as agreeing."""
+    """Per document of a generative task: whether ``model``'s generation (text) equals ``reference``'s (the unablated
+    model's), and, teacher-forced on ``reference``'s generation (``reference_ids``), the share of its tokens at which
+    ``model`` predicts (greedy) what the unablated model predicts and the mean KL(unablated || model) per token:
+    ``textkl.next_token_damage``, what a text budget reads. Documents whose reference generated nothing count as
+    agreeing."""
+    ids = [reference_ids(reference, s) for s in reference_samples]
+    read = [i for i, (_, n) in enumerate(ids) if n > 0]
+    damage = next_token_damage(model.loaded, [ids[i][0] for i in read], model.target, model.batch_size,
+                               [ids[i][1] for i in read]) if model.target is not None and read else None
     rows = []
-    for mine, theirs in zip(samples, reference_samples):
-        context, generated = theirs["arguments"][0][0], theirs["resps"][0][0]
-        same = mine["resps"][0][0] == generated
-        ctx, cont = model._encode_pair(context, generated) if generated else (model.tok_encode(context), [])
-        if not cont:
-            rows.append({"doc_id": theirs["doc_id"], "same_generation": same, "tokens": 0, "token_agreement": 1.0,
-                         "kl_per_token": 0.0})
-            continue
-        ids = torch.tensor([(ctx + cont)[-(model.max_length + 1):][:-1]], device=model.loaded.device)
-        n = len(cont)
-        with reference.ablated():
-            p = torch.log_softmax(reference.loaded.model(input_ids=ids).logits[0, -n:].float(), dim=-1)
-        with model.ablated():
-            q = torch.log_softmax(model.loaded.model(input_ids=ids).logits[0, -n:].float(), dim=-1)
-        target = torch.tensor(cont, device=q.device)
-        kl = (p.exp() * (p - q)).sum(-1).clamp(min=0.0)
-        rows.append({"doc_id": theirs["doc_id"], "same_generation": same, "tokens": n,
-                     "token_agreement": float((q.argmax(-1) == target).double().mean()),
-                     "kl_per_token": float(kl.mean())})
+    for i, (mine, theirs) in enumerate(zip(samples, reference_samples)):
+        row = {"doc_id": theirs["doc_id"], "same_generation": mine["resps"][0][0] == theirs["resps"][0][0],
+               "tokens": ids[i][1], "token_agreement": 1.0, "kl_per_token": 0.0}
+        if damage is not None and i in read:
+            j = read.index(i)
+            row.update(token_agreement=float(damage.agreement[j]), kl_per_token=float(damage.kl[j]))
+        rows.append(row)
     return rows
+
+
+def reference_ids(model: VerifiedLM, sample: dict) -> tuple[list[int], int]:
+    """(prompt + generation as token ids, the last ``model.max_length``; how many of them were generated)."""
+    prompt, generated = model.generated_ids(sample)
+    ids = (prompt + generated)[-model.max_length:]
+    return ids, min(len(generated), len(ids) - 1)
 
 
 def reference_generations(lm: LoadedModel, tasks: dict, limit: int, batch_size: int = 8,
@@ -105,13 +202,9 @@ def reference_generations(lm: LoadedModel, tasks: dict, limit: int, batch_size: 
     how many of them the model generated}``, in lm-eval's document order, task by task. What ``generation_agreement``
     teacher-forces on, and the text a next-token-KL budget on generation reads (only its generated tokens)."""
     out = evaluate_tasks(lm, tasks, None, batch_size, limit, progress)
-    model = out["model"]
     rows = []
     for name in tasks:
         for sample in sorted(out["samples"][name], key=lambda s: s["doc_id"]):
-            context, generated = sample["arguments"][0][0], sample["resps"][0][0]
-            ctx, cont = model._encode_pair(context, generated) if generated else (model.tok_encode(context), [])
-            ids = (ctx + cont)[-model.max_length:]
-            rows.append({"task": name, "doc_id": sample["doc_id"], "ids": ids,
-                         "generated": min(len(cont), len(ids) - 1)})
+            ids, generated = reference_ids(out["model"], sample)
+            rows.append({"task": name, "doc_id": sample["doc_id"], "ids": ids, "generated": generated})
     return rows

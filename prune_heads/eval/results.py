@@ -162,7 +162,7 @@ def chance_warning(result: EvalResult, metric: str = "accuracy", task: str = "mm
     if not indistinguishable_from_chance(result, chance):
         return None
     s = accuracy_summary(result)
-    if metric in ("kl", "kl-text"):
+    if metric != "accuracy":
         consequence = (f"an accuracy budget on this model verifies nothing (the {metric} budget in use still measures "
                        "how far ablation moves the model)")
     else:

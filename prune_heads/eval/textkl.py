@@ -28,20 +28,46 @@ class HeldOutText:
         return len(self.sequences)
 
 
+@dataclass(frozen=True)
+class TextDamage:
+    """Per held-out text, how far the ablated model's next-token predictions move from the unablated model's, read
+    at the text's scored positions (``[len(texts)]`` each): the mean KL(unablated || ablated) in nats, the share of
+    positions where the two predict the same token (greedy), and whether they predict the same token at every one
+    (on a generation: whether the ablated model's greedy generation is the unablated one's, token for token, the token
+    that ended it included)."""
+
+    kl: torch.Tensor
+    agreement: torch.Tensor
+    same: torch.Tensor
+
+    def take(self, index) -> "TextDamage":
+        return TextDamage(self.kl[index], self.agreement[index], self.same[index])
+
+    @staticmethod
+    def empty(n: int) -> "TextDamage":
+        return TextDamage(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64),
+                          torch.ones(n, dtype=torch.float64))
+
+    def to_tensors(self) -> dict:
+        return {"kl": self.kl, "agreement": self.agreement, "same": self.same}
+
+
 @torch.no_grad()
-def next_token_kl(
+def next_token_damage(
     lm: LoadedModel,
     sequences: Sequence[Sequence[int]],
     masks: "HeadSet | PrunePlan | torch.Tensor",
     batch_size: int = 8,
     scored: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Per sequence, the mean over its positions of KL(unablated || ablated) in nats between the two models'
-    next-token distributions: damage measured on text itself, whatever the model's accuracy. ``[len(sequences)]``.
+) -> TextDamage:
+    """Per sequence, the next-token damage (``TextDamage``) of ``masks``: KL in nats, greedy agreement, all agreeing.
+    Damage measured on text itself, whatever the model's accuracy.
 
     ``scored[i]``: only the predictions of sequence i's last ``scored[i]`` tokens count (a prompt followed by a
-    generation: the generated tokens, each predicted from everything before it); None: every position."""
-    out = torch.zeros(len(sequences), dtype=torch.float64)
+    generation: the generated tokens, each predicted from everything before it); None: every position.
+    ``masks`` of shape ``[len(sequences), L, H]``: each sequence its own head mask (a study's dynamic ablation)."""
+    out = TextDamage.empty(len(sequences))
+    per_row = isinstance(masks, torch.Tensor) and masks.dim() == 3
     dev = lm.device
     with HeadAblation(lm) as abl:
         for idx in text_batches(lm, sequences, batch_size, full_logits=True):
@@ -52,14 +78,15 @@ def next_token_kl(
             ids = ids.to(dev)
             abl.set_mask(None)
             p = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
-            abl.set_mask(masks)
+            abl.set_mask(masks[idx] if per_row else masks)
             q = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
             kl = (p.exp() * (p - q)).sum(-1).clamp(min=0.0).double().cpu()  # [B, S]
-            real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]  # right padding: real tokens only
+            agree = (p.argmax(-1) == q.argmax(-1)).double().cpu()  # [B, S]
             for row, i in enumerate(idx):
-                if scored is None:
-                    out[i] = kl[row][real[row]].mean()
-                else:  # the logits at positions L-1-n .. L-2 predict the last n tokens
-                    end = int(lengths[row]) - 1
-                    out[i] = kl[row][end - scored[i]:end].mean()
+                # the logits at positions L-1-n .. L-2 predict the last n tokens; right padding: real tokens only
+                end = int(lengths[row]) - (0 if scored is None else 1)
+                begin = 0 if scored is None else end - scored[i]
+                out.kl[i] = kl[row, begin:end].mean()
+                out.agreement[i] = agree[row, begin:end].mean()
+                out.same[i] = float(bool(agree[row, begin:end].all()))
     return out

@@ -205,7 +205,8 @@ class RecipeSchema(_Strict):
     match: _Match | None = None
     scorer: StrictStr | None = None
     budget: StrictStr | Annotated[Number, Field(ge=0)] | None = None
-    metric: Literal["accuracy", "kl", "kl-text", "mmlu", "mmlu-cloze"] | None = None
+    metric: Literal["accuracy", "kl", "kl-text", "token-agreement", "same-generation", "mmlu",
+                    "mmlu-cloze"] | None = None
     task: StrictStr | None = None
     task_limit: _per_device(PositiveInt | None) = None
     kl_text_size: PositiveInt | None = None

@@ -13,6 +13,11 @@ from prune_heads.errors import DiskFull, UserError, is_disk_full
 from prune_heads.io.files import current_umask, hidden_name, write_text
 
 
+def cache_entries(directory: Path) -> list[Path]:
+    """The finished work in a cache directory: result entries (safetensors) and lm-eval's request caches (SQLite)."""
+    return [*directory.glob("*.safetensors"), *directory.glob("*.sqlite")] if directory.is_dir() else []
+
+
 class StagedDirectory:
     """Write a whole output directory beside its final name, then rename it into place.
 
@@ -44,7 +49,7 @@ class StagedDirectory:
         self._lock = _locked(self.path, self.out)
         try:
             self._claim(force, identity)
-            self.resumed = any(self.cache_dir.glob("*.safetensors"))
+            self.resumed = bool(cache_entries(self.cache_dir))
             write_text(self.path / MARKER, json.dumps({"written_by": "prune-heads", "run": identity}) + "\n")
         except BaseException as e:
             self._release()
@@ -78,12 +83,15 @@ class StagedDirectory:
                 shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
 
     def _link_cache(self, previous: Path) -> None:
-
+        """Reuse ``previous``'s cache entries: safetensors entries hard-linked (never written again), lm-eval's
+        request caches copied."""
         self.cache_dir.mkdir(exist_ok=True)
-        for f in previous.glob("*.safetensors"):
+        for f in cache_entries(previous):
             target = self.cache_dir / f.name
             if not target.exists():
                 try:
+                    if f.suffix == ".sqlite":  # written in place as it grows: a copy, never the old file itself
+                        raise OSError
                     os.link(f, target)
                 except OSError:
                     shutil.copy2(f, target)
@@ -128,7 +136,7 @@ class StagedDirectory:
         wrote (partial shards, spilled logits, offloaded weights); drop the directory if there is no finished work."""
 
         self._release()
-        if not any(self.cache_dir.glob("*.safetensors")):
+        if not cache_entries(self.cache_dir):
             shutil.rmtree(self.path, ignore_errors=True)
             return
         for f in self.path.iterdir():

@@ -120,6 +120,10 @@ def generative_tasks(settings: Settings) -> dict:
             raise UserError(f"`kl_text` {settings.kl_text}: lm-eval task {name} is {task.OUTPUT_TYPE}, not "
                             "generate_until or loglikelihood_rolling; the next-token KL reads generations or "
                             "documents (a multiple-choice task is a `task` lm-eval:NAME)")
+        if settings.metric == "same-generation" and task.OUTPUT_TYPE != "generate_until":
+            raise UserError(f"`metric` same-generation compares generations, but lm-eval task {name} is "
+                            f"{task.OUTPUT_TYPE} (it generates nothing); use `metric` kl-text or token-agreement "
+                            "for it, or name a generate_until task in `kl_text`")
     return tasks
 
 
@@ -128,12 +132,12 @@ def confirmation_questions(settings: Settings, questions: TaskData,
     """(search questions, confirmation questions or None, where they come from or why there are none)."""
     if not settings.confirm:
         return questions, None, "not confirmed: `no_confirm`"
-    if settings.metric == "kl-text" and is_lm_eval(settings.kl_text) and not settings.heal_in_search:
-        return questions, None, (f"the next-token KL on the next {settings.kl_text_size} documents of each task of "
-                                 f"{settings.kl_text}, never searched")
-    if settings.metric == "kl-text" or settings.heal_in_search:
-        return questions, None, ("not confirmed: the budget is measured on held-out text" if settings.metric ==
-                                 "kl-text" else "not confirmed: `heal_in_search` judges healed models")
+    if settings.on_text and is_lm_eval(settings.kl_text) and not settings.heal_in_search:
+        return questions, None, (f"the budget's {settings.metric} on the next {settings.kl_text_size} documents of "
+                                 f"each task of {settings.kl_text}, never searched")
+    if settings.on_text or settings.heal_in_search:
+        return questions, None, ("not confirmed: the budget is measured on held-out text" if settings.on_text
+                                 else "not confirmed: `heal_in_search` judges healed models")
     unused = full.unused(questions)
     if unused.questions:
         return questions, unused, f"{len(unused.questions)} further questions of the same subjects, never searched"
@@ -217,7 +221,7 @@ def kl_texts(work: Work, settings: Settings, inputs: Inputs) -> tuple[HeldOutTex
     scoring or verification: ``kl_text`` lm-eval:NAME (``generation_texts``), a ``kl_text`` file, else the calibration
     file's lines after the ones scored, else held-out questions of the task with their correct answers. Measured only
     when the budget is in next-token KL or ``kl_text`` is given (it costs two forward passes per evaluated point)."""
-    if settings.metric != "kl-text" and not settings.kl_text:
+    if not settings.on_text and not settings.kl_text:
         return None, None
     if inputs.kl_text_tasks is not None:
         return lm_eval_texts(work, settings, inputs.kl_text_tasks)
@@ -245,13 +249,8 @@ def lm_eval_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldOutT
     ``kl_text_size`` documents are the search's text, its next ``kl_text_size`` (unless ``no_confirm``) the
     confirmation's. Generated once per model and task definition (cached: a resumed run never generates again)."""
     n = settings.kl_text_size
-    limit = 2 * n if settings.confirm else n
-    generative = {k: t for k, t in tasks.items() if t.OUTPUT_TYPE == "generate_until"}
-    rows = _reference_rows(work, settings, generative, limit) if generative else []
-    for name, task in tasks.items():
-        if name not in generative:
-            ids = [(d, encode(work.lm, text)[:KL_TEXT_MAX_TOKENS]) for d, text in rolling_texts(task, limit)]
-            rows += [{"task": name, "doc_id": d, "ids": x, "generated": len(x) - 1} for d, x in ids if len(x) >= 2]
+    rows = lm_eval_rows(work, settings, tasks, 2 * n if settings.confirm else n)
+    generative = {k for k, t in tasks.items() if t.OUTPUT_TYPE == "generate_until"}
     search, confirm = [], []
     for name in tasks:
         mine = [r for r in rows if r["task"] == name and r["generated"] > 0]
@@ -277,9 +276,23 @@ def lm_eval_texts(work: Work, settings: Settings, tasks: dict) -> tuple[HeldOutT
     return held_out(search, "the first"), (held_out(confirm, "the next") if confirm else None)
 
 
+def lm_eval_rows(work: Work, settings: Settings, tasks: dict, limit: int) -> list[dict]:
+    """The first ``limit`` documents of each task as token rows ``{"task", "doc_id", "ids", "generated"}``: of a
+    generative task, the prompt and the unablated model's own greedy generation (``generated``: its tokens, the ones
+    read); of a perplexity task, the text lm-eval scores (its first KL_TEXT_MAX_TOKENS tokens, every one read)."""
+    generative = {k: t for k, t in tasks.items() if t.OUTPUT_TYPE == "generate_until"}
+    rows = _reference_rows(work, settings, generative, limit) if generative else []
+    for name, task in tasks.items():
+        if name not in generative:
+            ids = [(d, encode(work.lm, text)[:KL_TEXT_MAX_TOKENS]) for d, text in rolling_texts(task, limit)]
+            rows += [{"task": name, "doc_id": d, "ids": x, "generated": len(x) - 1} for d, x in ids if len(x) >= 2]
+    return rows
+
+
 def _reference_rows(work: Work, settings: Settings, tasks: dict, limit: int) -> list[dict]:
     """The unablated model's generations of ``tasks``' first ``limit`` documents, as token rows (cached)."""
-    key = {"tasks": task_identity(tasks), "limit": limit, "num_fewshot": settings.num_fewshot}
+    key = {"tasks": task_identity(tasks), "limit": limit, "num_fewshot": settings.num_fewshot,
+           "ids": "as generated"}  # the generated tokens themselves, not the text encoded again
     rows = _generated_rows(work.recall("generations", key))
     if rows is None:
         from prune_heads.eval.lm_eval_bridge import reference_generations

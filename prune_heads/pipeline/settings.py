@@ -9,6 +9,7 @@ import dataclasses
 import re
 from dataclasses import asdict, dataclass, field, fields
 
+from prune_heads.data.lm_eval_tasks import is_lm_eval
 from prune_heads.data.tasks import MMLU_TASKS, task_format
 from prune_heads.errors import UserError
 from prune_heads.heads import SCORE_KEYS
@@ -21,7 +22,7 @@ from prune_heads.models.loading import (
 )
 from prune_heads.models.placement import device_map_option, max_memory_option
 from prune_heads.pipeline.recipes import Recipe, load_recipe, recipe_for
-from prune_heads.search.budget import METRIC_TASKS, Budget
+from prune_heads.search.budget import METRIC_TASKS, TEXT_METRICS, Budget
 from prune_heads.search.budget_search import DEFAULT_GRID
 
 
@@ -94,8 +95,14 @@ class Settings:
 
     @property
     def metric(self) -> str:
-        """What the budget limits: accuracy (points) | kl (answer KL, nats) | kl-text (nats)."""
+        """What the budget limits: accuracy (points) | kl (answer KL, nats) | a text metric (search.budget's
+        TEXT_METRICS: kl-text in nats, token-agreement and same-generation in points)."""
         return self.budget.metric
+
+    @property
+    def on_text(self) -> bool:
+        """Whether the budget is measured on held-out text (the next-token KL's texts), not on the task's questions."""
+        return self.budget.on_text
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("recipe", "budget")}
@@ -220,8 +227,11 @@ def _refuse_conflicts(values: dict) -> None:
     """Flag combinations that cannot work, refused before anything loads."""
     v = values.get
     conflicts = [
-        (v("heal_in_search") and v("budget_metric") == "kl-text",
+        (v("heal_in_search") and v("budget_metric") in TEXT_METRICS,
          "`heal_in_search` judges points by the healed model's answers; use `metric` accuracy or kl with it"),
+        (v("budget_metric") == "same-generation" and not is_lm_eval(v("kl_text")),
+         "`metric` same-generation compares greedy generations of a generative lm-eval task; name it with "
+         "`kl_text` lm-eval:NAME (a task whose output_type is generate_until)"),
         (v("heal_in_search") and not v("heal_steps"),
          "`heal_in_search` judges each point after healing; give the number of steps with `heal_steps` N"),
         (v("heal_steps") and v("lora_adapter"),
@@ -238,8 +248,8 @@ def _refuse_conflicts(values: dict) -> None:
          "`objective` kv-cache needs whole KV groups to go; use `units` gqa (the default)"),
         (v("size_questions") and v("task") not in MMLU_TASKS,
          f"`mmlu_per_subject` auto sizes MMLU question sets; `task` {v('task')} takes `task_limit` N"),
-        (v("size_questions") and v("budget_metric") == "kl-text",
-         "`mmlu_per_subject` auto sizes the questions, but a kl-text budget is measured on held-out text; use "
+        (v("size_questions") and v("budget_metric") in TEXT_METRICS,
+         "`mmlu_per_subject` auto sizes the questions, but a text budget is measured on held-out text; use "
          "more held-out texts there (kl_text_size: N in a `recipe` file)"),
         (v("size_questions") and v("heal_in_search"),
          "`mmlu_per_subject` auto predicts from an ablation, but `heal_in_search` judges healed models; give a number"),

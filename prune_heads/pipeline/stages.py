@@ -159,7 +159,7 @@ def sized(run: Run, resolution: Resolution) -> tuple[Run, Resolution]:
 
 def full_task_size(run: Run) -> int | None:
     """Questions in the whole task (what the paper's protocol evaluates); None for a budget on held-out text."""
-    return None if run.settings.metric == "kl-text" else len(run.inputs.all_questions.questions)
+    return None if run.settings.on_text else len(run.inputs.all_questions.questions)
 
 
 def say_resolution(run: Run, resolution: Resolution | None) -> str | None:
@@ -170,9 +170,9 @@ def say_resolution(run: Run, resolution: Resolution | None) -> str | None:
     if resolution.resolves:
         return None
     unit = "nat" if resolution.budget.in_nats else "pt"
-    fix = ("more held-out texts (kl_text_size: N in a `recipe` file)" if run.settings.metric == "kl-text"
+    fix = ("more held-out texts (kl_text_size: N in a `recipe` file)" if run.settings.on_text
            else f"`mmlu_per_subject` auto (about {resolution.questions_for(resolution.budget.limit):,} questions)")
-    what = "held-out texts" if run.settings.metric == "kl-text" else "questions"
+    what = "held-out texts" if run.settings.on_text else "questions"
     warning = (f"the budget ({resolution.budget.limit:g} {unit}) is smaller than the +/-{resolution.half_width():.3g} "
                f"{unit} that {resolution.questions} {what} resolve: points within budget cannot be told from points "
                f"beyond it; use {fix}")
@@ -185,7 +185,7 @@ def verifier_for(run: Run) -> Verifier:
     s = run.settings
     kl_text, confirm_text = kl_texts(run.work, s, run.inputs)
     setup = VerifierSetup(s.budget, s.layout, s.early_stop_blocks, kl_text, healer(run), s.heal_in_search,
-                          confirm_text if s.confirm and s.metric == "kl-text" else None)
+                          confirm_text if s.confirm and s.on_text else None)
     return Verifier.measured(run.work, run.planner, run.enc, setup)
 
 
@@ -287,7 +287,7 @@ def confirmed(run: Run, verifier: Verifier, selection: Selection, guard: Guard |
               ranking: UnitRanking) -> tuple[Selection, dict, dict]:
     s = run.settings
     questions = ConfirmationQuestions(run.inputs.confirmation, run.inputs.confirmation_source)
-    if s.confirm and s.metric == "kl-text" and is_lm_eval(s.kl_text) and verifier.setup.confirm_text is None:
+    if s.confirm and s.on_text and is_lm_eval(s.kl_text) and verifier.setup.confirm_text is None:
         questions = ConfirmationQuestions(None, f"not confirmed: {s.kl_text} has no documents after the "
                                                 f"{s.kl_text_size} per task the search reads (`kl_text_size`)")
     return confirm(verifier, questions, selection, s.objective, guard, ranking)

@@ -39,13 +39,13 @@ def score_heatmap(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path, t
     return _save(fig, path)
 
 
-def search_curve(points: list[dict], baseline_accuracy: float, budget_points: float, path: Path, title: str = "",
-                 metric: str = "mmlu") -> Path:
-    """MMLU accuracy vs % of heads ablated, with the per-point 95% CI of the paired difference; with the kl metric,
-    a second panel shows the answer KL that the budget limits."""
+def search_curve(points: list[dict], baseline_accuracy: float, budget, path: Path, title: str = "") -> Path:
+    """Task accuracy vs % of heads ablated, with the per-point 95% CI of the paired difference; under a budget on
+    anything else (answer KL, a measure on held-out text), what the budget limits beside the accuracy."""
     pts = sorted(points, key=lambda p: p["fraction"])
-    if metric == "kl":
-        return _kl_curve(pts, budget_points, path, title, 100 * baseline_accuracy)
+    budget_points = budget.limit
+    if budget.metric != "accuracy":
+        return _measure_curve(pts, budget, path, title, 100 * baseline_accuracy)
     x = [100 * p["fraction"] for p in pts]
     base = 100 * baseline_accuracy
     # Paired: unablated accuracy + the paired difference (a point stopped early covers only part of the questions).
@@ -105,14 +105,14 @@ def _mark_refused(ax, pts: list[dict], y, x=lambda p: 100 * p["fraction"]) -> No
                     markersize=9, fillstyle="none", mew=2, linestyle="none", label=f"{label}: {reason}")
 
 
-def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str, base: float) -> Path:
+def _measure_curve(pts: list[dict], budget, path: Path, title: str, base: float) -> Path:
     x = [100 * p["fraction"] for p in pts]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.0))
-    ax1.plot(x, [p["kl_answer_nats"] for p in pts], "o-", color="tab:purple", label="mean answer KL")
-    ax1.axhline(budget_nats, color="tab:red", linestyle=":", label=f"budget ({budget_nats:g} nat)")
-    _mark_refused(ax1, pts, lambda p: p["kl_answer_nats"])
+    ax1.plot(x, [budget.reads(p) for p in pts], "o-", color="tab:purple", label=budget.axis_label)
+    ax1.axhline(budget.limit, color="tab:red", linestyle=":", label=f"budget ({budget})")
+    _mark_refused(ax1, pts, budget.reads)
     ax1.set_xlabel("% of heads ablated (dormant first)")
-    ax1.set_ylabel("KL(unablated || ablated), nats")
+    ax1.set_ylabel(budget.axis_label)
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     ax2.plot(x, [base + p["delta_points"] for p in pts], "o-", color="tab:blue", label="accuracy (paired)")
@@ -123,8 +123,8 @@ def _kl_curve(pts: list[dict], budget_nats: float, path: Path, title: str, base:
     ax2.grid(alpha=0.3)
     chosen = [p for p in pts if p.get("chosen")]
     if chosen:
-        ax1.plot([100 * chosen[0]["fraction"]], [chosen[0]["kl_answer_nats"]], "*", color="tab:red", markersize=14)
-    fig.suptitle(title or "answer KL vs heads removed", fontsize=10)
+        ax1.plot([100 * chosen[0]["fraction"]], [budget.reads(chosen[0])], "*", color="tab:red", markersize=14)
+    fig.suptitle(title or f"{budget.axis_label} vs heads removed", fontsize=10)
     return _save(fig, path)
 
 
@@ -233,8 +233,7 @@ def shipped_curve(points: list[dict], budget, path: Path, title: str = "") -> Pa
     pts = sorted((p for p in points if p.get("shipped")), key=lambda p: p["shipped"]["attention_params_removed"])
     if not pts:
         return path
-    key = {"kl": "kl_answer_nats", "kl-text": "kl_text_nats"}.get(budget.metric)
-    y = [p.get(key, float("nan")) if key else -p["delta_points"] for p in pts]
+    y = [budget.reads(p) for p in pts]
     total = pts[0]["shipped"]["attention_params"] + pts[0]["shipped"]["attention_params_removed"]
     kv_total = pts[0]["shipped"]["kv_cache_bytes_per_token"] + pts[0]["shipped"]["kv_cache_removed"]
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=True)
@@ -245,16 +244,14 @@ def shipped_curve(points: list[dict], budget, path: Path, title: str = "") -> Pa
         over = [(xi, yi) for xi, yi, p in zip(x, y, pts) if not p.get("within_budget", True)]
         if over:
             ax.plot(*zip(*over), "x", color="tab:red", markersize=9, mew=2, label="over budget")
-        _mark_refused(ax, pts, lambda p: p.get(key, float("nan")) if key else -p["delta_points"],
-                      lambda p, f=field, d=denominator: 100 * p["shipped"][f] / d)
+        _mark_refused(ax, pts, budget.reads, lambda p, f=field, d=denominator: 100 * p["shipped"][f] / d)
         chosen = [(xi, yi) for xi, yi, p in zip(x, y, pts) if p.get("chosen")]
         if chosen:
             ax.plot(*zip(*chosen), "*", color="tab:red", markersize=14, label="chosen")
         ax.axhline(budget.limit, color="tab:red", linestyle=":", linewidth=1.2, label=f"budget ({budget})")
         ax.set_xlabel(f"% of {label} removed in the export")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel({"kl": "answer KL (nats)", "kl-text": "next-token KL (nats)"}.get(budget.metric,
-                                                                                       "accuracy drop (points)"))
+    axes[0].set_ylabel(budget.axis_label)
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(title or "budget vs shipped saving", fontsize=10)
     fig.tight_layout()

@@ -70,7 +70,9 @@ def mark_refusals(points: list[dict], confirmation: dict, guard: dict) -> list[d
             else p for p in points]
 
 
-METRIC_NAMES = {"kl": "answer KL", "kl-text": "next-token KL on held-out text"}
+METRIC_NAMES = {"kl": "answer KL", "kl-text": "next-token KL on held-out text",
+                "token-agreement": "next-token predictions changed on held-out text",
+                "same-generation": "held-out generations changed"}
 
 
 def budget_definition(budget, task: str) -> str:
@@ -78,6 +80,14 @@ def budget_definition(budget, task: str) -> str:
         return f"mean KL(unablated || ablated) over the answer choices of the {task} prompts, at most this many nats"
     if budget.metric == "kl-text":
         return "mean next-token KL(unablated || ablated) on held-out text, at most this many nats"
+    if budget.metric == "token-agreement":
+        return ("share of next-token predictions on held-out text (teacher-forced; on a generative task the unablated "
+                "model's own generation) where the ablated model's greedy choice differs from the unablated one's, at "
+                "most this many points (mean over texts)")
+    if budget.metric == "same-generation":
+        return ("share of held-out documents whose greedy generation changes (teacher-forced on the unablated model's "
+                "own generation: a different greedy choice at any generated token, the one that ended it included), "
+                "at most this many points")
     return f"ablated {task} accuracy at most this many points below the unablated model on the same questions"
 
 
@@ -107,7 +117,9 @@ def final_summary(selection: Selection, baseline: EvalResult, gqa: str) -> dict:
     from prune_heads.eval.results import agreement, answer_kl
 
     result, heads = selection.result, selection.heads
-    kl_text = {"kl_text_nats": round(result.meta["kl_text"], 6)} if "kl_text" in result.meta else {}
+    kl_text = ({"kl_text_nats": round(result.meta["kl_text"], 6),
+                "token_agreement": round(result.meta["token_agreement"], 6),
+                "same_generation": round(result.meta["same_generation"], 6)} if "kl_text" in result.meta else {})
     return {**accuracy_summary(result), **selection.delta.to_json(),
             "kl_answer_nats": round(float(answer_kl(result, baseline).mean()), 6), **kl_text,
             "agreement": round(agreement(result, baseline), 6), "num_heads_removed": len(heads),

@@ -1,5 +1,6 @@
-"""What a study judges its curves by: a multiple-choice task (the paper's MMLU) or a long-context probe (pass-key
-retrieval, copying, the user's own texts), behind one interface (``StudyTask``): the unablated ``baseline``,
+"""What a study judges its curves by: a multiple-choice task (the paper's MMLU), a long-context probe (pass-key
+retrieval, copying, the user's own texts) or a generative lm-eval task (the unablated model's own generations, read
+teacher-forced), behind one interface (``StudyTask``): the unablated ``baseline``,
 ``evaluate(mask, label)`` under a ``[L, H]`` mask (one head set for every input) or a ``[N, L, H]`` mask (one per
 input), and ``measures(result)``, the point's other figures against the baseline. Both are cached by the run's work.
 """
@@ -15,6 +16,7 @@ from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask
 from prune_heads.eval.probes import ProbeResult
 from prune_heads.eval.results import EvalResult, Judged, accuracy_summary, agreement, answer_kl
+from prune_heads.eval.textkl import HeldOutText, TextDamage
 
 # What each probe's study accuracy is: a greedy key match, or the share of target tokens predicted.
 PROBE_ACCURACY = {"passkey": "match", "copy": "token_accuracy", "text": "token_accuracy"}
@@ -95,3 +97,44 @@ class ProbeStudy:
         if self.probe.metric == "kl":
             out["kl_text_nats"] = round(float(res.kl.mean()), 6)
         return out
+
+
+@dataclass(frozen=True)
+class GenerationOutcome:
+    """A generative task's documents judged as a study judges them: ``correct`` per document is the share of the
+    unablated model's generated tokens at which the ablated model's greedy choice agrees (1 for every document
+    unablated)."""
+
+    damage: TextDamage
+
+    @property
+    def correct(self) -> torch.Tensor:
+        return self.damage.agreement
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.correct.mean())
+
+
+class GenerationStudy:
+    """A generative lm-eval task, label-free (a model at chance still has a curve): each document's prompt and the
+    unablated model's own greedy generation (``HeldOutText`` with the generated tokens scored); the curve is the share
+    of generated tokens predicted as unablated, beside it the share of generations left the same, token for token,
+    and the mean next-token KL. A perplexity task's documents serve the same way, every token read."""
+
+    def __init__(self, work: Work, texts: HeldOutText):
+        self.work, self.texts = work, texts
+        self.baseline = GenerationOutcome(TextDamage.empty(len(texts)))
+        self.inputs, self.unit, self.measure = len(texts), "documents", "generated tokens predicted as unablated"
+
+    def evaluate(self, mask: torch.Tensor, label: str) -> GenerationOutcome:
+        return GenerationOutcome(self.work.text_damage(self.texts.sequences, mask, self.texts.scored))
+
+    def baseline_summary(self) -> dict:
+        return {"accuracy": 1.0, "n": self.inputs, "source": self.texts.source,
+                "generated_tokens": sum(self.texts.scored or [])}
+
+    def measures(self, outcome: GenerationOutcome) -> dict:
+        d = outcome.damage
+        return {"same_generation": round(float(d.same.double().mean()), 6),
+                "kl_text_nats": round(float(d.kl.double().mean()), 6)}

@@ -68,7 +68,10 @@ class SearchPoint:
         return None if self.result is None else self.result.meta.get("kl_text")
 
     def to_json(self) -> dict:
-        extra = {} if self.kl_text is None else {"kl_text_nats": round(self.kl_text, 6)}
+        meta = {} if self.result is None else self.result.meta
+        extra = {} if self.kl_text is None else {"kl_text_nats": round(self.kl_text, 6),
+                                                 "token_agreement": round(meta["token_agreement"], 6),
+                                                 "same_generation": round(meta["same_generation"], 6)}
         return {
             "num_heads": self.num_heads,
             "fraction": round(self.fraction, 6),

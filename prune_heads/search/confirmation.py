@@ -29,7 +29,7 @@ from prune_heads.search.budget_search import Prefixes
 from prune_heads.search.guard import Guard, per_length
 from prune_heads.search.selection import Selection
 from prune_heads.search.units import UnitRanking
-from prune_heads.search.verifier import Verifier, text_kl_mean_se
+from prune_heads.search.verifier import Verifier, mean_se
 
 
 @dataclass(frozen=True)
@@ -151,34 +151,48 @@ class _Confirmer:
 
 
 class _TextConfirmer:
-    """A next-token-KL budget confirmed on further texts the search never read (``VerifierSetup.confirm_text``: the
-    next documents of a generative lm-eval task with the unablated model's own generations), under the run's rule."""
+    """A text budget (kl-text, token-agreement, same-generation) confirmed on further texts the search never read
+    (``VerifierSetup.confirm_text``: the next documents of a generative lm-eval task with the unablated model's own
+    generations), under the run's rule. The report gives the next-token KL beside what the budget limits."""
 
     def __init__(self, verifier: Verifier):
         self.verifier, self.texts = verifier, verifier.setup.confirm_text
         self.unseen = f"{len(self.texts)} unseen texts"
         self.report = {"texts": len(self.texts), "source": self.texts.source, "rule": verifier.budget.rule,
                        "tried": []}
-        self._last = None
+        self._last = {}
+
+    def _measured(self, point) -> tuple[dict, bool]:
+        texts, budget = self.texts, self.verifier.budget
+        damage = self.verifier.work.text_damage(texts.sequences, self.verifier.target(point.heads), texts.scored)
+        kl, kl_se = mean_se(damage.kl.double())
+        value, se = mean_se(budget.text_values(damage))
+        ok = budget.allows(None, text=value, text_se=se)  # a text budget reads no accuracy
+        out = {"kl_text_nats": round(kl, 6),
+               "kl_text_ci95": [round(kl - 1.96 * kl_se, 6), round(kl + 1.96 * kl_se, 6)],
+               "token_agreement": round(float(damage.agreement.double().mean()), 6),
+               "same_generation": round(float(damage.same.double().mean()), 6)}
+        if budget.metric != "kl-text":
+            out.update(budget_value=round(value, 4), budget_ci95=[round(value - 1.96 * se, 4),
+                                                                  round(value + 1.96 * se, 4)])
+        return out, ok
 
     def passes(self, point) -> bool:
-        texts, budget = self.texts, self.verifier.budget
-        kls = self.verifier.work.text_kls(texts.sequences, self.verifier.target(point.heads), texts.scored).double()
-        kl, se = text_kl_mean_se(kls)
-        ok = budget.allows(None, kl_text=kl, kl_text_se=se)  # a kl-text budget reads no accuracy
-        self.report["tried"].append({"num_heads": point.num_heads, "units": point.units, "kl_text_nats": round(kl, 6),
-                                      "kl_text_ci95": [round(kl - 1.96 * se, 6), round(kl + 1.96 * se, 6)],
+        measured, ok = self._measured(point)
+        self.report["tried"].append({"num_heads": point.num_heads, "units": point.units, **measured,
                                       "within_budget": ok})
-        say(f"  confirmation of {point.num_heads} heads on {self.unseen}: next-token KL {kl:.4f} nat "
-            f"[{kl - 1.96 * se:.4f}, {kl + 1.96 * se:.4f}]  " + ("confirmed" if ok else "over budget"),
-            fg="green" if ok else "yellow")
-        self._last = (kl, se)
+        budget = self.verifier.budget
+        shown = (f"next-token KL {measured['kl_text_nats']:.4f} nat [{measured['kl_text_ci95'][0]:.4f}, "
+                 f"{measured['kl_text_ci95'][1]:.4f}]" if budget.metric == "kl-text" else
+                 f"{budget.axis_label} {measured['budget_value']:.2f} [{measured['budget_ci95'][0]:.2f}, "
+                 f"{measured['budget_ci95'][1]:.2f}]")
+        say(f"  confirmation of {point.num_heads} heads on {self.unseen}: {shown}  "
+            + ("confirmed" if ok else "over budget"), fg="green" if ok else "yellow")
+        self._last = measured
         return ok
 
     def accept(self, point) -> dict:
-        kl, se = self._last
-        self.report.update(confirmed=True, num_heads=point.num_heads, kl_text_nats=round(kl, 6),
-                           kl_text_ci95=[round(kl - 1.96 * se, 6), round(kl + 1.96 * se, 6)])
+        self.report.update(confirmed=True, num_heads=point.num_heads, **self._last)
         return self.report
 
 

@@ -20,7 +20,7 @@ def predict_resolution(ranking: UnitRanking, verifier: Verifier, grid: tuple[flo
         return None
     heads = pilot_heads(ranking, grid)
     pilot = verifier.evaluate_complete(heads, f"pilot: {len(heads)}/{ranking.total_heads} heads off")
-    in_texts = verifier.budget.metric == "kl-text"
+    in_texts = verifier.budget.on_text
     n = len(verifier.kl_text.sequences) if in_texts else len(verifier.baseline.questions)
     return predict(verifier.budget, pilot, verifier.baseline, n,
                    f"a pilot ablation of {len(heads)} heads, the search's first point")

@@ -48,7 +48,7 @@ class Resolution:
 
     def describe(self, full: int | None = None, task: str = "mmlu") -> str:
         unit = "nat" if self.budget.in_nats else "pt"
-        what = "held-out texts" if self.budget.metric == "kl-text" else "questions"
+        what = "held-out texts" if self.budget.on_text else "questions"
         text = (f"{self.questions} {what} resolve +/-{self.half_width():.3g} {unit} at the budget's edge "
                 f"(budget {self.budget.limit:g} {unit}; estimated from {self.pilot})")
         if full and full != self.questions and what == "questions":
@@ -73,8 +73,11 @@ def edge_sd(budget: Budget, pilot: EvalResult, baseline: EvalResult) -> float:
         d = (pilot.correct - baseline.correct).double()
         observed = float(d.std(unbiased=True)) if d.numel() > 1 else 0.0
         return 100.0 * max(observed, math.sqrt(b * (1 - b)))
-    if budget.metric == "kl-text":
-        return pilot.meta["kl_text_cv"] * budget.limit
+    if budget.metric == "same-generation":  # one 0/1 change per text: a proportion at the budget's edge
+        b = min(budget.limit / 100.0, 0.5)
+        return 100.0 * math.sqrt(b * (1 - b))
+    if budget.on_text:
+        return pilot.meta["text_damage_cv"] * budget.limit
     return coefficient_of_variation(answer_kl(pilot, baseline).double()) * budget.limit
 
 

@@ -50,13 +50,13 @@ class Verifier:
         self.work, self.planner, self.enc, self.setup = work, planner, enc, setup
         self.budget, self.layout, self.baseline = setup.budget, setup.layout, baseline
         # Early stop: a point is evaluated in blocks of subjects and dropped as soon as its CI puts it over budget.
-        use_blocks = setup.early_stop_blocks > 1 and self.budget.metric != "kl-text" and not setup.heal_in_search
+        use_blocks = setup.early_stop_blocks > 1 and not self.budget.on_text and not setup.heal_in_search
         self.blocks = split_blocks(enc, setup.early_stop_blocks) if use_blocks else []
 
     @classmethod
     def measured(cls, work: Work, planner: Planner, enc: EncodedTask, setup: VerifierSetup) -> "Verifier":
         """A verifier with its baseline: the unablated model on the task (and the held-out texts), cached."""
-        baseline = with_text_kl(work, setup.kl_text, work.task_result(enc, None, "unablated"), None)
+        baseline = with_text_damage(work, setup.budget, setup.kl_text, work.task_result(enc, None, "unablated"), None)
         return cls(work, planner, enc, setup, baseline)
 
     @property
@@ -99,8 +99,9 @@ class Verifier:
         target = self.target(heads)
         if len(self.blocks) > 1 and heads:
             result = self._sequential(target, label, early_stop)
-            return with_text_kl(self.work, self.kl_text, result, target)
-        return with_text_kl(self.work, self.kl_text, self.work.task_result(self.enc, target, label), target)
+            return with_text_damage(self.work, self.budget, self.kl_text, result, target)
+        result = self.work.task_result(self.enc, target, label)
+        return with_text_damage(self.work, self.budget, self.kl_text, result, target)
 
     def _sequential(self, target, label: str, early_stop: bool) -> EvalResult:
         """The questions evaluated so far, in block order, with ``meta["stopped_early"]`` when a block decided the
@@ -128,7 +129,7 @@ class Verifier:
         if self.heal_in_search or self.blocks or self.lm.arch.qk_norm == "across_heads":
             return [self.evaluate(hs, lab) for hs, lab in zip(sets, labels)]
         results = self.work.task_results(self.enc, sets, labels)
-        return [with_text_kl(self.work, self.kl_text, r, hs) for r, hs in zip(results, sets)]
+        return [with_text_damage(self.work, self.budget, self.kl_text, r, hs) for r, hs in zip(results, sets)]
 
     def evaluate_healed(self, heads: HeadSet, label: str) -> EvalResult:
         """--heal-in-search: the accuracy of the model that would ship, pruned and healed (cached per plan)."""
@@ -143,16 +144,26 @@ class Verifier:
         return self.work.task_result_of(self.enc, model, identity, f"{label}, healed")
 
 
-def with_text_kl(work: Work, kl_text: HeldOutText | None, result: EvalResult, target) -> EvalResult:
-    """``result`` with the next-token KL of ``target`` on the held-out texts (mean, standard error, coefficient of
-    variation) in its meta, when they are measured."""
+def with_text_damage(work: Work, budget: Budget, kl_text: HeldOutText | None, result: EvalResult,
+                     target) -> EvalResult:
+    """``result`` with ``target``'s next-token damage on the held-out texts in its meta, when they are measured: the
+    KL (``kl_text``: mean, standard error, coefficient of variation), the shares ``token_agreement`` and
+    ``same_generation``, and under a text budget what it limits (``text_damage``, its standard error and coefficient
+    of variation, in the budget's unit)."""
     if kl_text is not None:
-        kls = work.text_kls(kl_text.sequences, target, kl_text.scored).double()
-        result.meta["kl_text"], result.meta["kl_text_se"] = text_kl_mean_se(kls)
+        damage = work.text_damage(kl_text.sequences, target, kl_text.scored)
+        kls = damage.kl.double()
+        result.meta["kl_text"], result.meta["kl_text_se"] = mean_se(kls)
         result.meta["kl_text_cv"] = coefficient_of_variation(kls)
+        result.meta["token_agreement"] = float(damage.agreement.double().mean())
+        result.meta["same_generation"] = float(damage.same.double().mean())
+        if budget.on_text:
+            values = budget.text_values(damage)
+            result.meta["text_damage"], result.meta["text_damage_se"] = mean_se(values)
+            result.meta["text_damage_cv"] = coefficient_of_variation(values)
     return result
 
 
-def text_kl_mean_se(kls: torch.Tensor) -> tuple[float, float]:
-    """The mean next-token KL over texts and its standard error (infinite from one text)."""
-    return float(kls.mean()), float(kls.std()) / len(kls) ** 0.5 if len(kls) > 1 else float("inf")
+def mean_se(values: torch.Tensor) -> tuple[float, float]:
+    """The mean of per-text values and its standard error (infinite from one text)."""
+    return float(values.mean()), float(values.std()) / len(values) ** 0.5 if len(values) > 1 else float("inf")
