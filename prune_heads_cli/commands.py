@@ -171,7 +171,7 @@ def _say_baseline(run: Run, verifier: Verifier, resolution) -> list[str]:
 def _say_selection(run: Run, selection: Selection) -> None:
     s, d = run.settings, selection.delta
     say(f"{len(selection.heads)} of {selection.total} heads ({100 * len(selection.heads) / selection.total:.1f}%) "
-        f"are within a {s.budget} budget on {s.task} (delta {d.delta:+.2f} pt, 95% CI [{d.ci_low:+.2f}, "
+        f"are within the budget ({s.budget}; {s.task} delta {d.delta:+.2f} pt, 95% CI [{d.ci_low:+.2f}, "
         f"{d.ci_high:+.2f}])", fg="green")
     if selection.savings:
         sh = selection.savings

@@ -9,8 +9,9 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from prune_heads.eval.generation import GreedyRequest, common_prefix, greedy_generate
+from prune_heads.eval.generation import GreedyRequest, common_prefix, greedy_batches, greedy_generate, shared_lengths
 from prune_heads.heads import HeadSet
+from prune_heads.io.parallel import Ranks
 from prune_heads.plan.ablation import ablate
 
 NEW = 12
@@ -58,6 +59,21 @@ def test_the_ablation_is_applied_to_every_generated_token_and_stop_sequences_end
         stopped = greedy_generate(lm, prompts, GreedyRequest(NEW, (stop,), frozenset()), 4)
     ends = next(n for n in range(1, NEW + 1) if stop in lm.tokenizer.decode(want[0][:n], skip_special_tokens=False))
     assert stopped[0] == want[0][:ends] and ends < NEW
+
+
+def test_ranks_dealt_the_batches_generate_what_one_process_does():
+    """Under torchrun each rank runs its deal of the very batches one process would (the shared prefix of a batch is
+    fixed by the batches, not by which batch ran before), so the tokens are the same, bit for bit."""
+    lm = tiny_model("llama")
+    prompts, request = _prompts(), GreedyRequest(NEW, (), frozenset())
+    one = dict(pair for chunk, gen in greedy_batches(lm, prompts, request, 3) for pair in zip(chunk, gen))
+    dealt = {}
+    for rank in (0, 1):
+        for chunk, gen in greedy_batches(lm, prompts, request, 3, Ranks(rank, 2)):
+            dealt.update(zip(chunk, gen))
+    assert dealt == one and len(one) == len(prompts)
+    batches = [[0, 2, 4], [6, 8, 10], [1, 3, 5], [7, 9, 11]]  # sorted order: the two prefixes' prompts side by side
+    assert shared_lengths(prompts, batches) == [30, 30, 20, 20]
 
 
 def test_common_prefix_leaves_each_row_a_token_of_its_own():

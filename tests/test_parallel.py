@@ -135,6 +135,21 @@ def test_two_processes_give_the_single_process_report(setup, reference, tmp_path
     assert err.count("pruned model, report") == 1  # rank 0 speaks for the run
 
 
+def test_two_processes_share_the_reference_generations_of_an_lm_eval_budget(setup, tmp_path):
+    """A generation budget under torchrun: lm-eval shares the documents out by rank (its own data parallelism), the
+    generations and their token ids come back to every rank, and the report is the single process's."""
+    pytest.importorskip("lm_eval")
+    gen = ["--metric", "kl-text", "--kl-text", "lm-eval:ph_gen", "--no-guard"]
+    runs = {n: start(args(setup, tmp_path / n, *gen)) for n, start in (("one", single), ("two", torchrun))}
+    for name, proc in runs.items():
+        code, err = finished(proc)
+        assert code == 0, (name, err)
+    report, ref = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("two", "one"))
+    assert report.pop("processes") == 2 and ref.pop("processes") == 1
+    assert report["task"]["kl_text"]["texts"] == 16 and report["confirmation"]["texts"] == 16
+    assert_same_report(report, ref)
+
+
 def test_rank_0_alone_writes(setup, tmp_path):
     watch = tmp_path / "outputs"
     watch.mkdir()

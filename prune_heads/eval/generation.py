@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 import torch
 
 from prune_heads.eval.prefix_cache import ReservedLayer, reservable, reserve
+from prune_heads.io.parallel import LOCAL, Ranks
 from prune_heads.models.loading import LoadedModel
 
 MIN_SHARED = 8  # a common prefix shorter than this is prefilled with each prompt
@@ -80,29 +81,38 @@ class _Batch:
         self.rows = [self.rows[i] for i in keep]
 
 
-class _Prefixes:
-    """The last shared prefix computed (its tokens and its one-row cache), reused by the next batch whose prompts all
-    start with it (prompts sorted by their tokens put a task's documents, with its exemplars, side by side)."""
+def shared_lengths(prompts: list[list[int]], batches: list[list[int]]) -> list[int]:
+    """Per batch (prompt indices, in sorted order), how many leading tokens it prefills once: what it shares with the
+    batches beside it (a task's description and exemplars, not the first words its own questions happen to share),
+    else what it shares alone; 0 under MIN_SHARED. Fixed by the batches alone, whichever rank runs them, in whatever
+    order."""
+    out = []
+    for k, batch in enumerate(batches):
+        near = [i for b in batches[max(k - 1, 0):k + 2] for i in b]
+        n = common_prefix([prompts[i] for i in near]) if len(near) > 1 else 0
+        if n < MIN_SHARED:
+            n = common_prefix([prompts[i] for i in batch]) if len(batch) > 1 else 0
+        out.append(n if n >= MIN_SHARED else 0)
+    return out
 
-    SLACK = 16  # a cached prefix at most this many tokens shorter than a batch's common prefix is reused
+
+class _Prefixes:
+    """The last shared prefix computed (its tokens and its one-row cache), reused by the next batch that shares the
+    same one (prompts sorted by their tokens put a task's documents, with its exemplars, side by side)."""
 
     def __init__(self):
         self.tokens: list[int] = []
         self.cache = None
 
-    def for_batch(self, lm: LoadedModel, prompts: list[list[int]]):
-        """(length, one-row cache) of the prefix this batch shares, or (0, None) when it shares too little."""
-        common = common_prefix(prompts) if len(prompts) > 1 else 0
-        n = len(self.tokens)
-        if self.cache is not None and n >= max(common - self.SLACK, MIN_SHARED) and all(
-                p[:n] == self.tokens and len(p) > n for p in prompts):
-            return n, self.cache
-        if common < MIN_SHARED:
-            return 0, None
-        self.tokens = prompts[0][:common]
-        ids = torch.tensor([self.tokens], device=lm.device)
-        self.cache = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1).cache
-        return common, self.cache
+    def for_batch(self, lm: LoadedModel, prompts: list[list[int]], shared: int):
+        """The one-row cache of the batch's first ``shared`` tokens (None for none), computed unless it is the last."""
+        if not shared:
+            return None
+        if self.cache is None or prompts[0][:shared] != self.tokens:
+            self.tokens = prompts[0][:shared]
+            ids = torch.tensor([self.tokens], device=lm.device)
+            self.cache = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1).cache
+        return self.cache
 
 
 def _batch_cache(cache, rows: int, capacity: int):
@@ -119,13 +129,12 @@ def _batch_cache(cache, rows: int, capacity: int):
 
 
 @torch.no_grad()
-def _prefill(lm: LoadedModel, prompts: list[list[int]], max_new: int, prefixes: _Prefixes
+def _prefill(lm: LoadedModel, prompts: list[list[int]], max_new: int, prefix: object, shared: int
              ) -> tuple[_Batch, torch.Tensor]:
-    """The batch after its prompts (the shared prefix once, then each prompt's own tokens) and each row's first
-    greedy token."""
+    """The batch after its prompts (the ``shared`` prefix once, its one-row cache ``prefix``, then each prompt's own
+    tokens) and each row's first greedy token."""
     dev, model = lm.device, lm.model
     rows = len(prompts)
-    shared, prefix = prefixes.for_batch(lm, prompts)
     own = [p[shared:] for p in prompts]
     width = max(len(o) for o in own)
     cache = _batch_cache(prefix, rows, shared + width + max_new) if shared else None
@@ -162,24 +171,29 @@ def greedy_generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], request: 
     return out
 
 
-def greedy_batches(lm: LoadedModel, prompts: Sequence[Sequence[int]], request: GreedyRequest,
-                   batch_size: int) -> Iterator[tuple[list[int], list[list[int]]]]:
+def greedy_batches(lm: LoadedModel, prompts: Sequence[Sequence[int]], request: GreedyRequest, batch_size: int,
+                   ranks: Ranks = LOCAL) -> Iterator[tuple[list[int], list[list[int]]]]:
     """(prompt indices, their generations) batch by batch, as each batch finishes. Batches of ``batch_size`` prompts
     taken in the order of their tokens, so that prompts sharing a prefix (a task's description and exemplars) share
-    a batch and its prefix's cache."""
+    a batch and its prefix's cache. ``ranks``: this rank's deal of those batches (round-robin), the very batches one
+    process would run."""
     order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))  # shared prefixes side by side
+    rows = [list(p) for p in prompts]
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    shared = shared_lengths(rows, batches)
     prefixes = _Prefixes()
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+    for k in ranks.deal(range(len(batches))):
         with torch.no_grad():
-            generated = _generate_batch(lm, [list(prompts[i]) for i in chunk], request, prefixes)
-        yield chunk, generated
+            mine = [rows[i] for i in batches[k]]
+            prefix = prefixes.for_batch(lm, mine, shared[k])
+            generated = _generate_batch(lm, mine, request, prefix, shared[k])
+        yield batches[k], generated
 
 
-def _generate_batch(lm: LoadedModel, prompts: list[list[int]], request: GreedyRequest,
-                    prefixes: _Prefixes) -> list[list[int]]:
+def _generate_batch(lm: LoadedModel, prompts: list[list[int]], request: GreedyRequest, prefix: object,
+                    shared: int) -> list[list[int]]:
     model, dev = lm.model, lm.device
-    batch, nxt = _prefill(lm, prompts, request.max_new, prefixes)
+    batch, nxt = _prefill(lm, prompts, request.max_new, prefix, shared)
     tokens: list[list[int]] = [[] for _ in prompts]
     while True:
         keep = []

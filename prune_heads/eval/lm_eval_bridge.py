@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from prune_heads.eval.generation import GreedyRequest, greedy_batches
 from prune_heads.eval.textkl import next_token_damage
+from prune_heads.io.parallel import LOCAL, Ranks
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import ablate
 
@@ -38,7 +39,8 @@ from prune_heads.plan.ablation import ablate
 class VerifiedLM(HFLM):
     """lm-eval's HFLM on ``lm`` with ``target`` (a HeadSet, a PrunePlan, or None) ablated in every pass."""
 
-    def __init__(self, lm: LoadedModel, target=None, batch_size: int = 8, progress: bool = True):
+    def __init__(self, lm: LoadedModel, target=None, batch_size: int = 8, progress: bool = True,
+                 ranks: Ranks = LOCAL):
         said = logging.getLogger("lm_eval.models.huggingface")
         level, _ = said.level, said.setLevel(logging.ERROR)  # its warnings about a model passed as an object
         try:
@@ -46,7 +48,10 @@ class VerifiedLM(HFLM):
                              add_bos_token=True if lm.arch.add_bos_for_eval else None)
         finally:
             said.setLevel(level)
-        self.loaded, self.target, self.progress = lm, target, progress
+        # Under torchrun every rank runs lm-eval on every document (lm-eval sees one process) and the greedy
+        # generations are shared out batch by batch: each rank generates the batches one process would, dealt
+        # round-robin, and every rank gets them all (the same numbers as one process).
+        self.loaded, self.target, self.progress, self.ranks = lm, target, progress, ranks
         # json [context, generation arguments] -> the prompt's token ids and the tokens generated for it, as
         # generated (a dict, or with a cache the table beside lm-eval's own: ``evaluate_tasks``)
         self.generated: MutableMapping[str, tuple[list[int], list[int]]] = {}
@@ -69,7 +74,8 @@ class VerifiedLM(HFLM):
         for i, r in enumerate(requests):  # as HFLM: one group per set of generation arguments
             groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
         results: list[str] = [""] * len(requests)
-        with tqdm(total=len(requests), disable=quiet, desc="Running generate_until requests") as bar, self.ablated():
+        with (tqdm(total=len(requests), disable=quiet or not self.ranks.root, desc="Running generate_until requests")
+              as bar, self.ablated()):
             for key, idx in groups.items():
                 for i, text in self._generate_group([requests[i] for i in idx], key):
                     results[idx[i]] = text
@@ -91,12 +97,21 @@ class VerifiedLM(HFLM):
             prompts.append(ids[0][mask[0].bool()].tolist())
         eos = self.model.generation_config.eos_token_id
         request = GreedyRequest(max_new, tuple(until), frozenset([eos] if isinstance(eos, int) else eos or []))
-        for chunk, generated in greedy_batches(self.loaded, prompts, request, self.batch_size):
-            for i, g in zip(chunk, generated):
-                self.generated[json.dumps([contexts[i], key])] = (prompts[i], g)
-                text = postprocess_generated_text(self.tok_decode(g), until, self.think_end_token)
-                self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                yield i, text
+        def finished(i: int, g: list[int]) -> tuple[int, str]:
+            self.generated[json.dumps([contexts[i], key])] = (prompts[i], g)
+            text = postprocess_generated_text(self.tok_decode(g), until, self.think_end_token)
+            self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            return i, text
+
+        mine = {}
+        for chunk, generated in greedy_batches(self.loaded, prompts, request, self.batch_size, self.ranks):
+            if self.ranks.size == 1:
+                yield from (finished(i, g) for i, g in zip(chunk, generated))
+            else:
+                mine.update(zip(chunk, generated))
+        if self.ranks.size > 1:  # every rank's batches, on every rank
+            shared = {i: g for part in self.ranks.gather(mine) for i, g in part.items()}
+            yield from (finished(i, shared[i]) for i in sorted(shared))
 
     def generated_ids(self, sample: dict) -> tuple[list[int], list[int]]:
         """(prompt ids, generated ids) of a generative sample this model generated: the tokens exactly as generated
@@ -111,6 +126,8 @@ class VerifiedLM(HFLM):
 
     def ablated(self):
         return ablate(self.loaded, self.target) if self.target is not None else nullcontext()
+
+
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         with self.ablated():
@@ -141,14 +158,15 @@ def _plain_generation(model, think_end_token) -> bool:
 
 
 def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 8, limit: int | None = None,
-                   progress: bool = True, cache_db: Path | None = None) -> dict:
+                   progress: bool = True, cache_db: Path | None = None, ranks: Ranks = LOCAL) -> dict:
     """lm-eval's ``evaluate`` of ``tasks`` (fresh lm-eval Task objects: lm-eval builds their requests) on ``lm`` with
     ``target`` ablated: its results, per-document samples and the model it ran (for teacher forcing).
 
     ``cache_db``: lm-eval's own request cache (``CachingLM``, an SQLite file) for this model and ``target``: each
     request's response is kept as it is computed, so an interrupted evaluation resumes and a later one with more
-    documents computes only the new ones; the generated token ids are kept beside it (table ``generated_ids``)."""
-    model = VerifiedLM(lm, target, batch_size, progress)
+    documents computes only the new ones; the generated token ids are kept beside it (table ``generated_ids``).
+    ``ranks``: under torchrun, the greedy generations are shared out batch by batch (``VerifiedLM``)."""
+    model = VerifiedLM(lm, target, batch_size, progress, ranks)
     runs = model
     if cache_db is not None:
         from lm_eval.api.model import CachingLM
@@ -195,13 +213,13 @@ def reference_ids(model: VerifiedLM, sample: dict) -> tuple[list[int], int]:
 
 
 def reference_generations(lm: LoadedModel, tasks: dict, limit: int, batch_size: int = 8,
-                          progress: bool = True) -> list[dict]:
+                          progress: bool = True, ranks: Ranks = LOCAL) -> list[dict]:
     """The unablated model's own greedy generation of each of the first ``limit`` documents of each generative task
     (lm-eval's prompts, few-shot exemplars, stop sequences and ``max_gen_toks``: stock lm-eval on these weights), as
     token ids: ``{"task", "doc_id", "ids": prompt + generation (the last ``model.max_length`` tokens), "generated":
     how many of them the model generated}``, in lm-eval's document order, task by task. What ``generation_agreement``
     teacher-forces on, and the text a next-token-KL budget on generation reads (only its generated tokens)."""
-    out = evaluate_tasks(lm, tasks, None, batch_size, limit, progress)
+    out = evaluate_tasks(lm, tasks, None, batch_size, limit, progress, ranks=ranks)
     rows = []
     for name in tasks:
         for sample in sorted(out["samples"][name], key=lambda s: s["doc_id"]):

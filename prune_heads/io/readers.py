@@ -205,6 +205,7 @@ class RecipeSchema(_Strict):
     match: _Match | None = None
     scorer: StrictStr | None = None
     budget: StrictStr | Annotated[Number, Field(ge=0)] | None = None
+    generation_budget: StrictStr | Annotated[Number, Field(ge=0)] | None = None  # a next-token-KL budget in nats
     metric: Literal["accuracy", "kl", "kl-text", "token-agreement", "same-generation", "mmlu",
                     "mmlu-cloze"] | None = None
     task: StrictStr | None = None

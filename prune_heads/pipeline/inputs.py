@@ -297,7 +297,7 @@ def _reference_rows(work: Work, settings: Settings, tasks: dict, limit: int) -> 
     if rows is None:
         from prune_heads.eval.lm_eval_bridge import reference_generations
 
-        rows = reference_generations(work.lm, tasks, limit, work.batch_size, work.progress)
+        rows = reference_generations(work.lm, tasks, limit, work.batch_size, work.progress, work.ranks)
         rows = _generated_rows(work.remember("generations", key, _generated_tensors(rows)))
     return rows
 

@@ -18,6 +18,7 @@ KEYS = {
     "scorer",
     "budget",
     "metric",
+    "generation_budget",
     "task",
     "task_limit",
     "kl_text_size",

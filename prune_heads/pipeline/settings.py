@@ -114,8 +114,8 @@ class Settings:
         return d
 
 
-RECIPE_KEYS = ("scorer", "budget", "metric", "task", "task_limit", "kl_text_size", "dtype", "calibration_size",
-               "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size")
+RECIPE_KEYS = ("scorer", "budget", "metric", "generation_budget", "task", "task_limit", "kl_text_size", "dtype",
+               "calibration_size", "max_length", "mmlu_per_subject", "mmlu_subjects", "batch_size")
 
 
 def _recipe_values(rec: Recipe, device_type: str) -> dict:
@@ -202,8 +202,13 @@ def _task(values: dict, flags: dict) -> str:
 
 def _budget(values: dict, flags: dict) -> Budget:
     """An explicit --metric (a contradicting unit is an error); else the budget's own unit (1% -> accuracy,
-    0.05nat -> kl); else the recipe's metric."""
+    0.05nat -> kl); else the recipe's metric. A recipe for a model near chance (its metric a KL) that names a
+    ``generation_budget`` makes generation the budget when ``kl_text`` names an lm-eval task and neither the budget nor
+    the metric is given: the next-token KL on the unablated model's own generations (kl-text)."""
     explicit = flags.get("metric")
+    if (not explicit and not flags.get("budget") and is_lm_eval(values.get("kl_text"))
+            and values.get("metric") == "kl" and values.get("generation_budget")):
+        return Budget.parse(values["generation_budget"], "kl-text")
     has_unit = bool(re.search(r"[a-z%]\s*$", str(values["budget"]).strip().lower()))
     recipe_metric = values.get("metric")
     if has_unit and recipe_metric and not explicit:  # the unit decides between points and nats, the recipe between kls
