@@ -8,9 +8,9 @@ from pathlib import Path
 from prune_heads.console import say, warn
 from prune_heads.data.lm_eval_tasks import NOT_CHOICES, is_lm_eval, load_tasks, primary_metric
 from prune_heads.data.tasks import results_file, task_format
+from prune_heads.errors import UserError
 from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.lm_eval_results import document_rows, document_value, generation_summary, paired
-from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
 from prune_heads.eval.textkl import HeldOutText
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable

@@ -23,7 +23,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Iterator, MutableMapping
 
-import torch
 from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from prune_heads.errors import UserError
-from prune_heads.eval.textkl import TextDamage
 from prune_heads.eval.results import EvalResult, PairedDelta, agreement, answer_kl, paired_delta, restricted
+from prune_heads.eval.textkl import TextDamage
 
 METRICS = ("accuracy", "kl", "kl-text", "token-agreement", "same-generation")
 # measured on held-out text (the next-token KL's texts): kl-text in nats; token-agreement in points of next-token
