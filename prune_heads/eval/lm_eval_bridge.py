@@ -191,14 +191,15 @@ def generation_agreement(model: VerifiedLM, reference: VerifiedLM, samples: list
     agreeing."""
     ids = [reference_ids(reference, s) for s in reference_samples]
     read = [i for i, (_, n) in enumerate(ids) if n > 0]
+    where = {i: j for j, i in enumerate(read)}  # document -> its row in ``damage``
     damage = next_token_damage(model.loaded, [ids[i][0] for i in read], model.target, model.batch_size,
                                [ids[i][1] for i in read]) if model.target is not None and read else None
     rows = []
     for i, (mine, theirs) in enumerate(zip(samples, reference_samples)):
         row = {"doc_id": theirs["doc_id"], "same_generation": mine["resps"][0][0] == theirs["resps"][0][0],
                "tokens": ids[i][1], "token_agreement": 1.0, "kl_per_token": 0.0}
-        if damage is not None and i in read:
-            j = read.index(i)
+        if damage is not None and i in where:
+            j = where[i]
             row.update(token_agreement=float(damage.agreement[j]), kl_per_token=float(damage.kl[j]))
         rows.append(row)
     return rows

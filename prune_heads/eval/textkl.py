@@ -40,8 +40,11 @@ class TextDamage:
     agreement: torch.Tensor
     same: torch.Tensor
 
-    def take(self, index) -> "TextDamage":
-        return TextDamage(self.kl[index], self.agreement[index], self.same[index])
+    def means(self) -> dict:
+        """The three over the texts, as reports write them."""
+        return {"kl_text_nats": round(float(self.kl.double().mean()), 6),
+                "token_agreement": round(float(self.agreement.double().mean()), 6),
+                "same_generation": round(float(self.same.double().mean()), 6)}
 
     @staticmethod
     def empty(n: int) -> "TextDamage":
@@ -90,3 +93,12 @@ def next_token_damage(
                 out.agreement[i] = agree[row, begin:end].mean()
                 out.same[i] = float(bool(agree[row, begin:end].all()))
     return out
+
+
+def text_measures(meta: dict) -> dict:
+    """An evaluation's next-token damage on held-out text as reports write it (``search.verifier.with_text_damage``
+    puts the means in its meta), or nothing where none was measured."""
+    if "kl_text" not in meta:
+        return {}
+    return {"kl_text_nats": round(meta["kl_text"], 6), "token_agreement": round(meta["token_agreement"], 6),
+            "same_generation": round(meta["same_generation"], 6)}

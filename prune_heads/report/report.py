@@ -9,6 +9,7 @@ from prune_heads import __version__
 from prune_heads.data.lm_eval_tasks import is_lm_eval
 from prune_heads.data.tasks import results_file
 from prune_heads.eval.results import EvalResult, accuracy_summary
+from prune_heads.eval.textkl import text_measures
 from prune_heads.io.files import write_json, write_jsonl
 from prune_heads.models.loading import LoadedModel
 from prune_heads.search.selection import Selection
@@ -117,9 +118,7 @@ def final_summary(selection: Selection, baseline: EvalResult, gqa: str) -> dict:
     from prune_heads.eval.results import agreement, answer_kl
 
     result, heads = selection.result, selection.heads
-    kl_text = ({"kl_text_nats": round(result.meta["kl_text"], 6),
-                "token_agreement": round(result.meta["token_agreement"], 6),
-                "same_generation": round(result.meta["same_generation"], 6)} if "kl_text" in result.meta else {})
+    kl_text = text_measures(result.meta)
     return {**accuracy_summary(result), **selection.delta.to_json(),
             "kl_answer_nats": round(float(answer_kl(result, baseline).mean()), 6), **kl_text,
             "agreement": round(agreement(result, baseline), 6), "num_heads_removed": len(heads),

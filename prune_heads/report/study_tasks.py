@@ -135,6 +135,5 @@ class GenerationStudy:
                 "generated_tokens": sum(self.texts.scored or [])}
 
     def measures(self, outcome: GenerationOutcome) -> dict:
-        d = outcome.damage
-        return {"same_generation": round(float(d.same.double().mean()), 6),
-                "kl_text_nats": round(float(d.kl.double().mean()), 6)}
+        means = outcome.damage.means()
+        return {k: means[k] for k in ("same_generation", "kl_text_nats")}

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from prune_heads.console import say
 from prune_heads.eval.results import EvalResult, PairedDelta
+from prune_heads.eval.textkl import text_measures
 from prune_heads.heads import HeadSet
 from prune_heads.plan.planner import objective_value
 from prune_heads.search.budget import Budget, judge
@@ -68,10 +69,7 @@ class SearchPoint:
         return None if self.result is None else self.result.meta.get("kl_text")
 
     def to_json(self) -> dict:
-        meta = {} if self.result is None else self.result.meta
-        extra = {} if self.kl_text is None else {"kl_text_nats": round(self.kl_text, 6),
-                                                 "token_agreement": round(meta["token_agreement"], 6),
-                                                 "same_generation": round(meta["same_generation"], 6)}
+        extra = {} if self.result is None else text_measures(self.result.meta)
         return {
             "num_heads": self.num_heads,
             "fraction": round(self.fraction, 6),

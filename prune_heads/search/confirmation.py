@@ -168,10 +168,7 @@ class _TextConfirmer:
         kl, kl_se = mean_se(damage.kl.double())
         value, se = mean_se(budget.text_values(damage))
         ok = budget.allows(None, text=value, text_se=se)  # a text budget reads no accuracy
-        out = {"kl_text_nats": round(kl, 6),
-               "kl_text_ci95": [round(kl - 1.96 * kl_se, 6), round(kl + 1.96 * kl_se, 6)],
-               "token_agreement": round(float(damage.agreement.double().mean()), 6),
-               "same_generation": round(float(damage.same.double().mean()), 6)}
+        out = {**damage.means(), "kl_text_ci95": [round(kl - 1.96 * kl_se, 6), round(kl + 1.96 * kl_se, 6)]}
         if budget.metric != "kl-text":
             out.update(budget_value=round(value, 4), budget_ci95=[round(value - 1.96 * se, 4),
                                                                   round(value + 1.96 * se, 4)])
