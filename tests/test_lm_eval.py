@@ -38,6 +38,25 @@ def lm():
     return tiny_model("llama")
 
 
+def test_lm_evals_task_index_is_built_once_per_state_of_the_task_directories(tmp_path, monkeypatch):
+    """Indexing lm-eval's task YAMLs takes seconds: one TaskManager per process for the same directories, unless a
+    YAML there was edited, added or removed."""
+    import lm_eval.tasks
+
+    from prune_heads.data.lm_eval_tasks import task_manager
+
+    built = []
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path: built.append(include_path) or object())
+    (tmp_path / "t.yaml").write_text("task: mine\n")
+    first = task_manager(str(tmp_path))
+    assert task_manager(str(tmp_path)) is first and len(built) == 1
+    (tmp_path / "t.yaml").write_text("task: mine\ndataset_path: json\n")  # edited
+    assert task_manager(str(tmp_path)) is not first and len(built) == 2
+    (tmp_path / "u.yaml").write_text("task: other\n")  # added
+    task_manager(str(tmp_path))
+    assert len(built) == 3 and built[0][-1] == str(tmp_path.resolve())
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_multiple_choice_through_the_budget_passes_equals_stock_lm_eval(lm, norm):
     from lm_eval.models.huggingface import HFLM
