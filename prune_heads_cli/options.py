@@ -4,6 +4,7 @@ the recipe into frozen Settings and loaded Inputs, every input checked before an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -146,19 +147,30 @@ def probe_options(f):
     return f
 
 
-def _quiet_libraries() -> None:
-    """--no-progress: the libraries' bars too (weights loading, GGUF conversion, downloads). transformers' GGUF
-    conversion calls a plain tqdm that no switch reaches, so that module's tqdm is given disable=True."""
-    import functools
+def quiet_progress_bars(quiet: bool) -> None:
+    """--no-progress: every progress bar of the process off, the libraries' own included (transformers' weight
+    loading and GGUF conversion, huggingface_hub's downloads, datasets' split generation, lm-eval's request building,
+    request cache and bootstrap). Several of them create plain tqdm bars that no switch of theirs reaches, so tqdm
+    itself is told: its constructor is wrapped once per process and reads the switch each command sets (a later command
+    in the same process without --no-progress shows bars again)."""
+    import tqdm.std
 
-    from huggingface_hub.utils import disable_progress_bars
-    from transformers import modeling_gguf_pytorch_utils as gguf_loading
-    from transformers.utils import logging as hf_logging
+    _BARS["quiet"] = quiet
+    init = tqdm.std.tqdm.__init__
+    if getattr(init, "prune_heads_switch", False):
+        return
 
-    disable_progress_bars()
-    hf_logging.disable_progress_bar()
-    if hasattr(gguf_loading, "tqdm"):
-        gguf_loading.tqdm = functools.partial(gguf_loading.tqdm, disable=True)
+    @functools.wraps(init)
+    def switched(self, *args, **kwargs):
+        if _BARS["quiet"]:
+            kwargs["disable"] = True
+        init(self, *args, **kwargs)
+
+    switched.prune_heads_switch = True
+    tqdm.std.tqdm.__init__ = switched
+
+
+_BARS = {"quiet": False}
 
 
 def load_heads(path: str, action: str) -> HeadSet:
@@ -199,8 +211,7 @@ def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False
     if not kw.get("out"):
         raise UserError("--out is required; pass a directory for the results")
     check_path_names({"model": kw["model"], "out": kw["out"], **flag_paths(named=True)})
-    if kw.get("no_progress"):
-        _quiet_libraries()
+    quiet_progress_bars(bool(kw.get("no_progress")))
     if not main_command:
         extra.setdefault("guard", ())  # the long-context guard belongs to the main command (eval: --probes)
     overrides = {}  # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.

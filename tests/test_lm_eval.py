@@ -516,3 +516,34 @@ def test_a_builtin_task_equals_stock_lm_eval_on_the_same_rows(task, lm, tmp_path
         assert torch.isinf(row[len(theirs):]).all()
     metric = "acc_norm" if data.questions[0].norm_lengths is not None else "acc"
     assert ours.correct.tolist() == [s[metric] for s in stock]
+
+
+def _local_mc_task(directory, name, rows):
+    """A user's multiple-choice task YAML (``name``) over ``rows`` in a JSONL file beside it (absolute paths)."""
+    directory.mkdir(exist_ok=True)
+    data = directory / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (directory / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    return data
+
+
+def test_no_progress_silences_every_bar_lm_evals_and_datasets_included(tmp_path, model_dir, capsys):
+    """datasets' split generation, lm-eval's request building and request cache draw plain tqdm bars; --no-progress
+    turns every one off (and a command without it shows them again)."""
+    rows = [{"question": f"What is {i} + {i}? ({tmp_path.name})", "choices": [str(2 * i), str(2 * i + 1)],
+             "answer": 0} for i in range(3)]
+    include = tmp_path / "tasks"
+    for name in ("quiet_mc", "loud_mc"):  # fresh data: datasets generates the split (and draws its bar) anew
+        _local_mc_task(include, name, [{**r, "question": r["question"] + name} for r in rows])
+
+    def run(name, *extra):
+        return run_cli(["eval", "--model", model_dir, "--task", f"lm-eval:{name}", "--lm-eval-include", include,
+                        "--out", tmp_path / name, *extra], capsys)
+
+    code, _, err = run("quiet_mc", "--no-progress")
+    assert code == 0 and "it/s" not in err and "%|" not in err, err
+    code, _, err = run("loud_mc")
+    assert code == 0 and "Generating test split" in err and "%|" in err, err
