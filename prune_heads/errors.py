@@ -39,3 +39,14 @@ def is_disk_full(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+class NonFinite(UserError):
+    """The model computed a non-finite value (NaN or infinite) on ``task`` with ``heads`` (a description: "unablated",
+    "with 3 heads ablated") in ``dtype``: nothing measured from it is averaged, compared or counted."""
+
+    def __init__(self, task: str, heads: str, dtype: object):
+        self.task, self.heads, self.dtype = task, heads, str(dtype).removeprefix("torch.")
+        super().__init__(f"the model's logits on {task} ({heads}) are not finite (NaN or infinite) in {self.dtype}: "
+                         "its activations overflow in this dtype, so nothing can be measured from them; load it in "
+                         "float32 or bfloat16 (`dtype` float32)")

@@ -15,7 +15,7 @@ from prune_heads.eval.encoding import EncodedTask, task_span
 from prune_heads.eval.passes import task_loglik, task_loglik_many
 from prune_heads.eval.probes import METRIC_FIELDS, ProbeResult, probe_pass
 from prune_heads.eval.results import EvalResult
-from prune_heads.eval.textkl import TextDamage, next_token_damage
+from prune_heads.eval.textkl import HeldOutText, TextDamage, next_token_damage
 from prune_heads.heads import HeadSet, ScoreTable
 from prune_heads.io.cache import ResultCache, digest, tokens_digest
 from prune_heads.io.parallel import LOCAL, Ranks
@@ -95,18 +95,19 @@ class Work:
         return ablation, {**(model_key or self.model_key), "what": "task", "task": enc.task,
                           "tokens": self._enc_digest(enc), "ablation": ablation, "batch": self.batch_size}
 
-    def text_damage(self, sequences: list[list[int]], target, scored: list[int] | None = None) -> TextDamage:
+    def text_damage(self, texts: HeldOutText, target) -> TextDamage:
         """The next-token damage of each held-out text (KL(unablated || ablated) in nats, greedy agreement, all
-        agreeing; ``scored``: only each text's last so many tokens, textkl.next_token_damage); cached like
+        agreeing; only each text's ``scored`` last tokens where given, textkl.next_token_damage); cached like
         evaluations."""
         ablation = self.ablation_key(target)
         if ablation is None:
-            return TextDamage.empty(len(sequences))
+            return TextDamage.empty(len(texts))
+        sequences, scored = texts.sequences, texts.scored
         key = {**self.model_key, "what": "text_damage", "tokens": tokens_digest(sequences), "ablation": ablation,
                "batch": self.batch_size, **({"scored": tokens_digest([scored])} if scored is not None else {})}
         hit = self._get("textdamage", key)
         if hit is None:
-            hit = self._damage_shared(sequences, target, scored).to_tensors()
+            hit = self._damage_shared(sequences, target, scored, texts.source).to_tensors()
             self.cache.put("textdamage", key, hit)
         return TextDamage(**hit)
 
@@ -190,17 +191,18 @@ class Work:
                 tables.setdefault(key, value.new_empty((len(seqs), *value.shape[1:])))[idx] = value
         return ScoreTable(tables, [len(s) for s in seqs])
 
-    def _damage_shared(self, sequences: list[list[int]], target, scored: list[int] | None) -> TextDamage:
+    def _damage_shared(self, sequences: list[list[int]], target, scored: list[int] | None,
+                       source: str) -> TextDamage:
         """Next-token damage per text, each rank taking its deal of the longest-first batches."""
         if self.ranks.size == 1:
-            return next_token_damage(self.lm, sequences, target, self.batch_size, scored)
+            return next_token_damage(self.lm, sequences, target, self.batch_size, scored, source)
         out = TextDamage.empty(len(sequences))
         per_row = isinstance(target, torch.Tensor) and target.dim() == 3  # one mask per text
 
         def step(mine):
             return next_token_damage(self.lm, [sequences[i] for i in mine], target[mine] if per_row else target,
-                                     self.batch_size, None if scored is None else [scored[i] for i in mine]
-                                     ).to_tensors()
+                                     self.batch_size, None if scored is None else [scored[i] for i in mine],
+                                     source).to_tensors()
 
         for idx, part in self._on_text_share(sequences, True, step):
             for name, values in part.items():

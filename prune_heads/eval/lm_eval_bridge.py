@@ -31,6 +31,7 @@ from tqdm import tqdm
 from prune_heads.eval.generation import GreedyRequest, greedy_batches
 from prune_heads.eval.textkl import next_token_damage
 from prune_heads.io.parallel import LOCAL, Ranks
+from prune_heads.models.finite import finite_logits
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import ablate
 
@@ -56,16 +57,28 @@ class VerifiedLM(HFLM):
         self.generated: MutableMapping[str, tuple[list[int], list[int]]] = {}
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+        with self._finite(requests):
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or not self.progress)
+        with self._finite(requests):
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def _finite(self, requests):
+        """Non-finite logits in any pass for ``requests`` stop the evaluation (``models.finite``), naming their
+        tasks."""
+        names = sorted({str(getattr(r, "task_name", None) or "an lm-eval task") for r in requests})
+        return finite_logits(self.loaded, "lm-eval " + ", ".join(names), self.target)
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         """lm-eval's greedy requests through ``eval.generation`` (the same text HFLM generates for each document alone,
         faster); anything else (sampling, a thinking-token setting, a model whose generation config processes
         logits, sliding-window attention) through HFLM's own ``generate_until``."""
         quiet = disable_tqdm or not self.progress
+        with self._finite(requests):
+            return self._generate_until(requests, quiet)
+
+    def _generate_until(self, requests, quiet: bool) -> list[str]:
         if not (all(_greedy(r.args[1]) for r in requests) and _plain_generation(self.model, self.think_end_token)
                 and self.loaded.arch.full_attention(self.model.config)):
             return super().generate_until(requests, disable_tqdm=quiet)

@@ -25,6 +25,7 @@ from prune_heads.eval.prefix_cache import expanded, reservable, reserve
 from prune_heads.eval.results import EvalResult
 from prune_heads.heads import HeadSet
 from prune_heads.models.batching import pass_budget
+from prune_heads.models.finite import finite_logits
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import HeadAblation, mask_for
 from prune_heads.plan.planner import PrunePlan
@@ -90,7 +91,7 @@ def task_loglik_reference(lm: LoadedModel, enc: EncodedTask, masks: MaskSpec = N
     get_mask = _mask_getter(lm, masks)
     items = enc.items
     loglik = empty_loglik(enc)
-    with HeadAblation(lm) as abl:
+    with HeadAblation(lm) as abl, finite_logits(lm, enc.task, masks):
         for i, item in enumerate(tqdm(items, desc="MMLU (reference)", disable=not progress)):
             abl.set_mask(get_mask(i))
             _store(loglik, i, _reference_loglik(lm, item))
@@ -263,7 +264,7 @@ def task_loglik(
     items = enc.items
     desc = f"{enc.task} {label}".strip()
     # No hooks at all when nothing is ablated (the model may not even have per-layer attention, e.g. skipped layers).
-    with HeadAblation(lm) if masks is not None else _NoAblation() as abl:
+    with HeadAblation(lm) if masks is not None else _NoAblation() as abl, finite_logits(lm, enc.task, masks):
         if _per_question(masks):
             row_masks = [get_mask(i).to(torch.float32) for i in range(len(items))]
             for i, ll in enumerate(_batched_all(lm, items, batch_size, abl, row_masks, progress, desc)):
@@ -337,7 +338,7 @@ def task_loglik_many(
     loglik = empty_loglik(enc, n)
     items = enc.items
     offset, slow = 0, []
-    with HeadAblation(lm) as abl:
+    with HeadAblation(lm) as abl, finite_logits(lm, enc.task, head_sets[0] if n == 1 else f"{n} head sets in one pass"):
         for subject in tqdm(
             enc.subjects,
             desc=f"{enc.task} {label}".strip(),

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from prune_heads.data.probes import ProbeItem, ProbeSet
 from prune_heads.heads import HeadSet
+from prune_heads.models.finite import finite_logits
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import HeadAblation
 from prune_heads.plan.planner import PrunePlan
@@ -103,7 +104,7 @@ def probe_pass(lm: LoadedModel, probe: ProbeSet, masks: "HeadSet | PrunePlan | t
     per_item = isinstance(masks, torch.Tensor) and masks.dim() == 3
     values = {f: torch.zeros(n, dtype=torch.float64) for f in METRIC_FIELDS}
     ablated = masks is not None and not (isinstance(masks, HeadSet) and not masks)
-    with HeadAblation(lm) as abl:
+    with HeadAblation(lm) as abl, finite_logits(lm, f"the long-context probe {probe.name}", masks if ablated else None):
         for i, item in enumerate(tqdm(probe.items, desc=label or probe.name, disable=not progress, leave=False)):
             gold = torch.tensor(item.ids[-item.target:], device=lm.device)
             reference = None

@@ -9,6 +9,7 @@ import torch
 
 from prune_heads.heads import HeadSet
 from prune_heads.models.batching import text_batches
+from prune_heads.models.finite import finite_logits
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import HeadAblation
 from prune_heads.plan.planner import PrunePlan
@@ -62,12 +63,14 @@ def next_token_damage(
     masks: "HeadSet | PrunePlan | torch.Tensor",
     batch_size: int = 8,
     scored: Sequence[int] | None = None,
+    source: str = "the held-out text",
 ) -> TextDamage:
     """Per sequence, the next-token damage (``TextDamage``) of ``masks``: KL in nats, greedy agreement, all agreeing.
     Damage measured on text itself, whatever the model's accuracy.
 
     ``scored[i]``: only the predictions of sequence i's last ``scored[i]`` tokens count (a prompt followed by a
-    generation: the generated tokens, each predicted from everything before it); None: every position.
+    generation: the generated tokens, each predicted from everything before it); None: every position. ``source``: what
+    the texts are, as an error names them (non-finite logits stop the measurement: ``eval.finite``).
     ``masks`` of shape ``[len(sequences), L, H]``: each sequence its own head mask (a study's dynamic ablation)."""
     out = TextDamage.empty(len(sequences))
     per_row = isinstance(masks, torch.Tensor) and masks.dim() == 3
@@ -80,9 +83,11 @@ def next_token_damage(
                 ids[row, : lengths[row]] = torch.tensor(list(sequences[i]))
             ids = ids.to(dev)
             abl.set_mask(None)
-            p = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+            with finite_logits(lm, source):
+                p = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
             abl.set_mask(masks[idx] if per_row else masks)
-            q = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+            with finite_logits(lm, source, masks):
+                q = torch.log_softmax(lm.model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
             kl = (p.exp() * (p - q)).sum(-1).clamp(min=0.0).double().cpu()  # [B, S]
             agree = (p.argmax(-1) == q.argmax(-1)).double().cpu()  # [B, S]
             for row, i in enumerate(idx):

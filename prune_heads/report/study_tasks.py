@@ -128,7 +128,7 @@ class GenerationStudy:
         self.inputs, self.unit, self.measure = len(texts), "documents", "generated tokens predicted as unablated"
 
     def evaluate(self, mask: torch.Tensor, label: str) -> GenerationOutcome:
-        return GenerationOutcome(self.work.text_damage(self.texts.sequences, mask, self.texts.scored))
+        return GenerationOutcome(self.work.text_damage(self.texts, mask))
 
     def baseline_summary(self) -> dict:
         return {"accuracy": 1.0, "n": self.inputs, "source": self.texts.source,

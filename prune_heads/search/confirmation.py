@@ -164,7 +164,7 @@ class _TextConfirmer:
 
     def _measured(self, point) -> tuple[dict, bool]:
         texts, budget = self.texts, self.verifier.budget
-        damage = self.verifier.work.text_damage(texts.sequences, self.verifier.target(point.heads), texts.scored)
+        damage = self.verifier.work.text_damage(texts, self.verifier.target(point.heads))
         kl, kl_se = mean_se(damage.kl.double())
         value, se = mean_se(budget.text_values(damage))
         ok = budget.allows(None, text=value, text_se=se)  # a text budget reads no accuracy

@@ -151,7 +151,7 @@ def with_text_damage(work: Work, budget: Budget, kl_text: HeldOutText | None, re
     ``same_generation``, and under a text budget what it limits (``text_damage``, its standard error and coefficient
     of variation, in the budget's unit)."""
     if kl_text is not None:
-        damage = work.text_damage(kl_text.sequences, target, kl_text.scored)
+        damage = work.text_damage(kl_text, target)
         kls = damage.kl.double()
         result.meta["kl_text"], result.meta["kl_text_se"] = mean_se(kls)
         result.meta["kl_text_cv"] = coefficient_of_variation(kls)
