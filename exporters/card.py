@@ -7,29 +7,13 @@ import yaml
 
 from exporters.manifest import source_name
 from exporters.speed import speedup_text
+from prune_heads.report.markdown import code, plain
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
-
-
-def code(value: object) -> str:
-    """A value that came from a user (a model name, a file name, a path) as a Markdown code span: shown verbatim,
-    never read as markup (headings, links, HTML). Control characters and line breaks become U+FFFD; the fence is
-    longer than any run of backticks inside."""
-    text = re.sub(r"[\x00-\x1f\x7f\u2028\u2029]", "\ufffd", str(value))
-    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
-def plain(value: object) -> str:
-    """A sentence that may hold a user's value, as Markdown text that renders as written: line breaks and control
-    characters become spaces, and every character Markdown or HTML reads as markup is backslash-escaped."""
-    text = re.sub(r"[\x00-\x1f\x7f\u2028\u2029]", " ", str(value))
-    return re.sub(r"([\\`*_{}\[\]()<>#+!|~-])", r"\\\1", text)
 
 
 def _front(meta: dict) -> list[str]:
@@ -67,7 +51,7 @@ def _summary_table(meta: dict) -> list[str]:
     task = meta.get("task_eval") or {}
     if task:
         ci = task.get("ci95_points", [float("nan")] * 2)
-        lines.append(f"| {meta.get('task', 'mmlu')} accuracy ({task['n']} questions) | "
+        lines.append(f"| {plain(meta.get('task', 'mmlu'))} accuracy ({task['n']} questions) | "
                      f"{_pct(task['baseline_accuracy'])} | {_pct(task['pruned_accuracy'])} (delta "
                      f"{task['delta_points']:+.2f} pt, 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]) |")
         if "kl_answer_nats" in task:
@@ -77,7 +61,7 @@ def _summary_table(meta: dict) -> list[str]:
     heal = meta.get("healing")
     if heal:
         before_heal = (task.get("before_healing") or {}).get("accuracy")
-        after_heal = (f"; {meta.get('task', 'mmlu')} before healing {_pct(before_heal)}, after "
+        after_heal = (f"; {plain(meta.get('task', 'mmlu'))} before healing {_pct(before_heal)}, after "
                       f"{_pct(task['pruned_accuracy'])}" if before_heal is not None else "")
         lines.append(f"| after LoRA healing ({heal['steps']} steps) | training loss {heal['loss_first']:.4f} | "
                      f"{heal['loss_last']:.4f}{after_heal} |")
@@ -243,7 +227,7 @@ def _what_the_weights_hold(meta: dict) -> str:
 def _provenance(meta: dict) -> str:
     """Where the heads came from and how the export was verified."""
     checked = "logits of the reloaded export against the ablated original" + (
-        f", and {meta.get('task') or 'the task'} on the reloaded export" if meta.get("task_eval") else "")
+        f", and {plain(meta.get('task') or 'the task')} on the reloaded export" if meta.get("task_eval") else "")
     source = meta.get("heads_file")
     if source:
         return (f"the heads listed in {code(source['name'])} (sha256 `{source['sha256'][:16]}`), removed as given "

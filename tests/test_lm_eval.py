@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -547,3 +548,33 @@ def test_no_progress_silences_every_bar_lm_evals_and_datasets_included(tmp_path,
     assert code == 0 and "it/s" not in err and "%|" not in err, err
     code, _, err = run("loud_mc")
     assert code == 0 and "Generating test split" in err and "%|" in err, err
+
+
+HOSTILE = "<img src=x onerror=alert(1)>|**pwn**|[link](http://evil.example)"
+
+
+def test_task_names_reach_the_card_and_study_md_as_text(tmp_path, model_dir, capsys):
+    """A task name is the user's text: in the card's table and in study.md it renders as written, never as live HTML,
+    a link, emphasis or a table split by ``|``."""
+    include = tmp_path / "tasks"
+    rows = [{"question": f"What is {i} + 1?", "choices": [str(i + 1), str(i + 2)], "answer": 0} for i in range(6)]
+    _local_mc_task(include, "hostile", rows)
+    yaml_file = include / "hostile.yaml"
+    yaml_file.write_text(yaml_file.read_text().replace("task: hostile", f"task: {json.dumps(HOSTILE)}"))
+    heads = tmp_path / "h.json"
+    heads.write_text(json.dumps({"0": [0, 3]}))
+    task = ["--task", f"lm-eval:{HOSTILE}", "--lm-eval-include", include, "--no-progress"]
+    code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", tmp_path / "x", *task], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["study", "--model", model_dir, "--functions", "ahon_ln,awft", "--percents", "0,25",
+                            "--modes", "static", "--out", tmp_path / "s", *task], capsys)
+    assert code == 0, err
+    card, study = (tmp_path / "x" / "README.md").read_text(), (tmp_path / "s" / "study.md").read_text()
+    for text in (card, study):
+        outside_code = "".join(part for i, part in enumerate(text.split("`")) if i % 2 == 0)
+        assert not re.search(r"(?<!\\)<img", outside_code), text  # escaped: \\<img renders as text
+        for markup in ("|**pwn**|", "](http://evil"):
+            assert markup not in outside_code, (markup, text)
+    row = next(ln for ln in card.splitlines() if "pwn" in ln and ln.startswith("|"))
+    assert len(re.split(r"(?<!\\)\|", row)) == 5  # the task's row keeps its three cells
+    assert "\\<img src=x onerror=alert\\(1\\)\\>" in study

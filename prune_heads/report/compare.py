@@ -11,6 +11,7 @@ import math
 import torch
 
 from prune_heads.heads import SCORE_KEYS, ScoreTable, score_direction
+from prune_heads.report.markdown import plain
 
 
 def ks_distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,7 +96,7 @@ def markdown(result: dict, name_a: str, name_b: str) -> str:
     iou = next((k for k in next(iter(result["functions"].values())) if k.startswith("iou_at_")), None)
     head = "| function | KS | Wasserstein | mean A | mean B |" + (" Spearman (heads) | IoU @10% |" if iou else "")
     sep = "|---|---|---|---|---|" + ("---|---|" if iou else "")
-    lines = [f"# Attention behaviour: {name_a} vs {name_b}", "",
+    lines = [f"# Attention behaviour: {plain(name_a)} vs {plain(name_b)}", "",
              f"Head grids: A {result['shape_a']}, B {result['shape_b']}"
              + ("" if iou else " (different: per-head correlation and overlap are not defined)"), "", head, sep]
     for key, r in result["functions"].items():

@@ -30,6 +30,7 @@ from prune_heads.eval.results import Judged, paired_delta
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from prune_heads.io.readers import read_json
 from prune_heads.plan.ablation import dynamic_masks
+from prune_heads.report.markdown import plain
 from prune_heads.report.study_tasks import StudyTask
 
 DEFAULT_PERCENTS = (0, 5, 10, 15, 20, 25, 30)
@@ -272,9 +273,9 @@ def markdown(study: dict, model: str, task: str) -> str:
     )
     unit, measure = study.get("unit", "questions"), study.get("measure", "accuracy")
     lines = [
-        f"# Score functions on {model}",
+        f"# Score functions on {plain(model)}",
         "",
-        f"{task}, {study['inputs']} {unit}; unablated {measure} {100 * study['baseline_accuracy']:.2f}%; budget "
+        f"{plain(task)}, {study['inputs']} {unit}; unablated {measure} {100 * study['baseline_accuracy']:.2f}%; budget "
         f"{study['budget_points']:g} pt. *max %*: the largest % of heads zeroed within the budget (linear "
         f"interpolation along the curve); *AUC*: mean {measure} (%) over the zeroed range.",
         "",
