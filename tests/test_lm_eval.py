@@ -578,3 +578,34 @@ def test_task_names_reach_the_card_and_study_md_as_text(tmp_path, model_dir, cap
     row = next(ln for ln in card.splitlines() if "pwn" in ln and ln.startswith("|"))
     assert len(re.split(r"(?<!\\)\|", row)) == 5  # the task's row keeps its three cells
     assert "\\<img src=x onerror=alert\\(1\\)\\>" in study
+
+
+def test_out_never_holds_a_file_a_task_reads_even_with_force(tmp_path, model_dir, capsys):
+    """A task's data file, an included YAML and a ``!function`` module are inputs: an --out that holds one is refused
+    in one line, --force or not, and nothing in it changes."""
+    from helpers import snapshot
+
+    from prune_heads.data.lm_eval_tasks import task_files
+
+    data_dir, shared, include = tmp_path / "dd", tmp_path / "shared", tmp_path / "tasks"
+    rows = [{"question": f"What is {i} + 2?", "choices": [str(i + 2), str(i + 3)], "answer": 0} for i in range(4)]
+    data = _local_mc_task(data_dir, "precious", rows)
+    (data_dir / "precious.yaml").rename(include.mkdir() or include / "precious.yaml")
+    shared.mkdir()
+    (shared / "helpers.py").write_text("def keep(dataset):\n    return dataset\n")
+    (shared / "base.yaml").write_text(f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                                      "test_split: test\nprocess_docs: !function helpers.keep\n"
+                                      "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\n"
+                                      "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n")
+    (include / "child.yaml").write_text(f"include: {shared / 'base.yaml'}\ntask: child\n")
+    from prune_heads.data.lm_eval_tasks import LmEvalSpec
+
+    files = task_files(LmEvalSpec("lm-eval:precious,child", str(include)))
+    assert {str(data), str(shared / "base.yaml"), str(shared / "helpers.py"), str(include / "child.yaml")} <= set(files)
+    for task, out in (("precious", data_dir), ("child", shared)):
+        before = snapshot(tmp_path)
+        code, _, err = run_cli(["eval", "--model", model_dir, "--task", f"lm-eval:{task}", "--lm-eval-include",
+                                include, "--out", out, "--force", "--no-progress"], capsys)
+        errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert code == 2 and len(errors) == 1 and "would destroy it (even with --force)" in errors[0], err
+        assert snapshot(tmp_path) == before

@@ -90,6 +90,89 @@ def _task_manager(paths: tuple[str, ...], state: tuple):
     return TaskManager(include_path=list(paths))
 
 
+def task_files(spec: LmEvalSpec) -> tuple[str, ...]:
+    """Every local file the tasks of ``spec`` read, as lm-eval's index knows them (no task is built): each task's
+    YAML and the YAMLs it includes, its data and few-shot files (``dataset_kwargs``' ``data_files``, a local
+    ``dataset_path``), and the Python modules its ``!function`` entries run; a group's tasks too. An ``--out`` may
+    hold none of them, with or without ``--force`` (they are the run's inputs)."""
+    manager = task_manager(spec.include)
+    found: set[Path] = set()
+    todo, seen = list(task_names(spec.task)), set()
+    while todo:
+        name = todo.pop()
+        entry = manager.task_index.get(name) if isinstance(name, str) else None
+        if entry is None or name in seen:
+            continue
+        seen.add(name)
+        if entry.yaml_path is not None:
+            found |= _yaml_chain(Path(entry.yaml_path))
+        cfg = entry.cfg or {}
+        base = Path(entry.yaml_path).parent if entry.yaml_path is not None else Path.cwd()
+        found |= _data_files(cfg, base) | _function_modules(cfg)
+        members = cfg.get("task") if entry.kind.name == "GROUP" else None
+        todo += [m if isinstance(m, str) else m.get("task") for m in (members or [])
+                 if isinstance(m, (str, dict))]
+    return tuple(sorted(str(p) for p in found))
+
+
+def _yaml_chain(path: Path, depth: int = 0) -> set[Path]:
+    """``path`` and the YAMLs it includes, transitively (lm-eval resolves ``include`` against the file's directory)."""
+    import yaml
+
+    found = {path.resolve()}
+    if depth > 32 or not path.is_file():
+        return found
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_ignoring_tags())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return found
+    include = raw.get("include") if isinstance(raw, dict) else None
+    for item in ([include] if isinstance(include, str) else include or []):
+        if isinstance(item, str):
+            target = Path(item) if Path(item).is_absolute() else path.parent / item
+            found |= _yaml_chain(target, depth + 1)
+    return found
+
+
+def _ignoring_tags():
+    """A safe YAML loader that reads ``!function x.y`` as a plain string (the index already resolved those)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+    return Loader
+
+
+def _data_files(cfg: dict, base: Path) -> set[Path]:
+    """The local data files a task config names (relative ones as lm-eval reads them: from the working
+    directory)."""
+    kwargs = cfg.get("dataset_kwargs") or {}
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    names = list(files.values()) if isinstance(files, dict) else [files]
+    flat = [f for n in names for f in (n if isinstance(n, list) else [n]) if isinstance(f, str)]
+    path = cfg.get("dataset_path")
+    if isinstance(path, str) and Path(path).exists():
+        flat.append(path)
+    return {Path(f).resolve() for f in flat}
+
+
+def _function_modules(cfg: object) -> set[Path]:
+    """The Python files of a config's ``!function`` entries: in the index they read ``DIR/module.function``."""
+    found: set[Path] = set()
+    values = cfg.values() if isinstance(cfg, dict) else cfg if isinstance(cfg, list) else []
+    for value in values:
+        if isinstance(value, (dict, list)):
+            found |= _function_modules(value)
+        elif isinstance(value, str) and "/" in value and "." in Path(value).name:
+            module, _, _ = Path(value).name.rpartition(".")
+            candidate = Path(value).parent / (module.replace(".", "/") + ".py")
+            if candidate.is_file():
+                found.add(candidate.resolve())
+    return found
+
+
 def _config_of_example(name: str) -> dict | None:
     """A shipped example task's YAML as a config, its data files resolved next to it (lm-eval resolves relative
     data files against the working directory)."""

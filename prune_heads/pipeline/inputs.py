@@ -21,6 +21,7 @@ from prune_heads.data.lm_eval_tasks import (
     load_tasks,
     multiple_choice_data,
     rolling_texts,
+    task_files,
     task_identity,
 )
 from prune_heads.data.mmlu import load_mmlu
@@ -152,7 +153,8 @@ def confirmation_questions(settings: Settings, questions: TaskData,
 
 def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
     """The local files and directories a run's settings read: the model (its directory, or its .gguf file), the
-    recipe, the data files, the adapter."""
+    recipe, the data files, the adapter, and every file its lm-eval tasks read (YAMLs, data, few-shot files,
+    ``!function`` modules)."""
     model = [] if source.kind == "hub" else [str(Path(source.path) / source.gguf_file) if source.gguf_file
                                              else source.path]
     kl_text = None if is_lm_eval(settings.kl_text) else settings.kl_text
@@ -160,6 +162,9 @@ def input_paths(settings: Settings, source: ModelSource) -> tuple[str, ...]:
              settings.lora_adapter, settings.guard_texts, settings.lm_eval_include]
     if settings.mmlu and Path(settings.mmlu).exists():
         files.append(settings.mmlu)
+    for task in (settings.task, settings.kl_text):
+        if is_lm_eval(task):
+            files += task_files(LmEvalSpec(task, settings.lm_eval_include))
     return tuple(model + [f for f in files if f])
 
 
