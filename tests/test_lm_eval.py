@@ -20,6 +20,8 @@ from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.passes import task_loglik
 from prune_heads.heads import HeadSet
 
+pytestmark = pytest.mark.lm_eval
+
 if importlib.util.find_spec("lm_eval") is None and not os.environ.get("CI"):  # CI installs the extra: never skipped
     pytest.skip("lm-eval is not installed (pip install 'prune-heads[lm-eval]')", allow_module_level=True)
 HEADS = HeadSet.of({0: [0, 1, 2], 1: [4], 3: [0, 5]})
@@ -609,3 +611,58 @@ def test_out_never_holds_a_file_a_task_reads_even_with_force(tmp_path, model_dir
         errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert code == 2 and len(errors) == 1 and "would destroy it (even with --force)" in errors[0], err
         assert snapshot(tmp_path) == before
+
+
+class _Payload:
+    """What a tampered cache value could hold: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_evals_cache_is_data_a_pickle_in_it_never_runs_and_a_damaged_one_is_recomputed(tmp_path, model_dir, capsys):
+    import pickle
+    import sqlite3
+
+    out, marker = tmp_path / "e", tmp_path / "ran"
+    args = ["eval", "--model", model_dir, "--task", "lm-eval:ph_gen", "--task-limit", "3", "--out", out,
+            "--no-progress"]
+    assert run_cli(args, capsys)[0] == 0
+    first = (out / "lm-eval_ph_gen.jsonl").read_text()
+    (cache,) = (out / "cache").glob("lm-eval-*.sqlite")
+    with sqlite3.connect(cache) as db:  # every response replaced by a pickled payload
+        db.execute("UPDATE unnamed SET value = ?", (pickle.dumps(_Payload(marker)),))
+    code, _, err = run_cli([*args, "--force"], capsys)
+    assert code == 0 and not marker.exists(), err
+    assert "is damaged or was not written by prune-heads" in err and (out / "lm-eval_ph_gen.jsonl").read_text() == first
+    (cache,) = (out / "cache").glob("lm-eval-*.sqlite")
+    cache.write_bytes(cache.read_bytes()[:200])  # truncated
+    code, _, err = run_cli([*args, "--force"], capsys)
+    assert code == 0 and "is damaged" in err and (out / "lm-eval_ph_gen.jsonl").read_text() == first, err
+
+
+def test_a_changed_generation_config_is_not_served_old_generations(tmp_path, model_dir, capsys):
+    """The cache's key covers the generation config (and the tokenizer): a new end-of-sequence token stops the
+    generations where a fresh run stops them."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(model_dir, model)
+    args = ["eval", "--model", model, "--task", "lm-eval:ph_gen", "--task-limit", "3", "--no-progress"]
+    assert run_cli([*args, "--out", tmp_path / "e"], capsys)[0] == 0
+    rows = [json.loads(x) for x in (tmp_path / "e" / "lm-eval_ph_gen.jsonl").read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    generated = next(r["generation"] for r in rows if len(r["generation"]) > 1)
+    stop = AutoTokenizer.from_pretrained(model).encode(generated)[0]  # its first token ends generation now
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": stop}))
+    assert run_cli([*args, "--out", tmp_path / "e", "--force"], capsys)[0] == 0
+    assert run_cli([*args, "--out", tmp_path / "fresh"], capsys)[0] == 0
+    again, fresh = ([json.loads(x) for x in (tmp_path / d / "lm-eval_ph_gen.jsonl").read_text().splitlines()]
+                    for d in ("e", "fresh"))
+    assert [r["generation"] for r in again] == [r["generation"] for r in fresh]
+    assert [r["generation"] for r in again] != [r["generation"] for r in rows]

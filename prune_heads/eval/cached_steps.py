@@ -116,8 +116,23 @@ class Work:
         other entries, ``lm_eval_bridge.evaluate_tasks``), None without a cache directory (or off rank 0)."""
         if self.cache.directory is None or not self.ranks.root:
             return None
-        key = {**self.model_key, "what": "lm_eval", "ablation": self.ablation_key(target), "batch": self.batch_size}
+        key = {**self.model_key, "what": "lm_eval", "ablation": self.ablation_key(target), "batch": self.batch_size,
+               "generation": self._generation_inputs()}
         return self.cache.directory / f"lm-eval-{digest(key)[:32]}.sqlite"
+
+    def _generation_inputs(self) -> str:
+        """A digest of what lm-eval's responses depend on beside the weights and each request (which lm-eval's
+        cache hashes): the generation config (end-of-sequence tokens, ...) and the tokenizer (its vocabulary,
+        merges, normalisation, special tokens and chat template)."""
+        if not hasattr(self, "_generation_digest"):
+            tok = self.lm.tokenizer
+            backend = getattr(tok, "backend_tokenizer", None)
+            parts = [self.lm.model.generation_config.to_json_string(use_diff=False),
+                     backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items())),
+                     str(getattr(tok, "chat_template", None)), repr(sorted(tok.special_tokens_map.items())),
+                     type(tok).__name__]
+            self._generation_digest = digest({"generation_inputs": parts})
+        return self._generation_digest
 
     def probe(self, probe: ProbeSet, target, label: str = "") -> ProbeResult:
         """A long-context probe with ``target`` ablated (None: unablated), cached like evaluations. Every rank reads

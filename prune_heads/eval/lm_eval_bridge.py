@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from pathlib import Path
 from typing import Iterator, MutableMapping
 
+from lm_eval.api.model import CachingLM
 from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from prune_heads.console import say
+from prune_heads.errors import UserError
 from prune_heads.eval.generation import GreedyRequest, greedy_batches
 from prune_heads.eval.textkl import next_token_damage
 from prune_heads.io.parallel import LOCAL, Ranks
@@ -169,23 +172,76 @@ def _plain_generation(model, think_end_token) -> bool:
         getattr(config, k, None) in (None, defaults.get(k)) for k in LOGITS_PROCESSING)
 
 
+class DataCachingLM(CachingLM):
+    """lm-eval's ``CachingLM`` (its request hashing, lookups and cache hook), its SQLite values stored as JSON rather
+    than pickles: a cache is data the tool wrote, and reading it can never run code. Responses are JSON's own types
+    (numbers, booleans, strings, lists)."""
+
+    def __init__(self, lm: HFLM, cache_db: Path):
+        self.lm, self.cache_db = lm, str(cache_db)
+        self.dbdict = data_table(cache_db, "unnamed")  # the table CachingLM uses
+        lm.set_cache_hook(self.get_cache_hook())
+
+
+def data_table(path: Path, table: str):
+    """An SQLite table of JSON values (``sqlitedict`` with JSON coding), checked whole before it is opened: a file
+    that is not SQLite, or holds a value that is not JSON (a pickle among them: never unpickled), was not written by
+    this tool as it stands; it is said in one line, discarded and its requests computed again. A directory that
+    cannot be written is refused in one line."""
+    import tempfile
+
+    from sqlitedict import SqliteDict
+
+    try:
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        raise UserError(f"lm-eval's request cache {path} cannot be written ({e.strerror}); make {path.parent} "
+                        "writable, or choose another `out`") from None
+    if not _json_or_absent(path):
+        say(f"lm-eval's request cache {path.name} is damaged or was not written by prune-heads; it is discarded "
+            "and its requests are computed again")
+        path.unlink()
+    return SqliteDict(str(path), tablename=table, autocommit=True, encode=_json_bytes, decode=json.loads)
+
+
+def _json_or_absent(path: Path) -> bool:
+    """Whether ``path`` is absent, or an SQLite file whose every table holds JSON values only: read with the standard
+    library, read-only, every value parsed as JSON (nothing is unpickled). The whole file is judged before any of its
+    tables is opened (a file discarded under an open table would leave that table writing nowhere)."""
+    import sqlite3
+
+    if not path.exists():
+        return True
+    try:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+            for table in tables:
+                for (value,) in db.execute(f'SELECT value FROM "{table}"'):
+                    json.loads(value)
+        return True
+    except (sqlite3.DatabaseError, ValueError, UnicodeDecodeError, TypeError):
+        return False
+
+
+def _json_bytes(value) -> bytes:
+    return json.dumps(value).encode("utf-8")
+
+
 def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 8, limit: int | None = None,
                    progress: bool = True, cache_db: Path | None = None, ranks: Ranks = LOCAL) -> dict:
     """lm-eval's ``evaluate`` of ``tasks`` (fresh lm-eval Task objects: lm-eval builds their requests) on ``lm`` with
     ``target`` ablated: its results, per-document samples and the model it ran (for teacher forcing).
 
-    ``cache_db``: lm-eval's own request cache (``CachingLM``, an SQLite file) for this model and ``target``: each
-    request's response is kept as it is computed, so an interrupted evaluation resumes and a later one with more
-    documents computes only the new ones; the generated token ids are kept beside it (table ``generated_ids``).
+    ``cache_db``: lm-eval's request cache (``DataCachingLM``, an SQLite file of JSON values) for this model and
+    ``target``: each request's response is kept as it is computed, so an interrupted evaluation resumes and a later
+    one with more documents computes only the new ones; the generated token ids are kept beside it (table
+    ``generated_ids``).
     ``ranks``: under torchrun, the greedy generations are shared out batch by batch (``VerifiedLM``)."""
     model = VerifiedLM(lm, target, batch_size, progress, ranks)
     runs = model
     if cache_db is not None:
-        from lm_eval.api.model import CachingLM
-        from sqlitedict import SqliteDict
-
-        model.generated = SqliteDict(str(cache_db), tablename="generated_ids", autocommit=True)
-        runs = CachingLM(model, str(cache_db))
+        model.generated = data_table(cache_db, "generated_ids")
+        runs = DataCachingLM(model, cache_db)
     said = logging.getLogger("lm_eval.api.model")
     level, _ = said.level, said.setLevel(logging.WARNING)  # CachingLM's per-call info lines
     try:
