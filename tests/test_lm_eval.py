@@ -666,3 +666,33 @@ def test_a_changed_generation_config_is_not_served_old_generations(tmp_path, mod
                     for d in ("e", "fresh"))
     assert [r["generation"] for r in again] == [r["generation"] for r in fresh]
     assert [r["generation"] for r in again] != [r["generation"] for r in rows]
+
+
+def test_user_code_is_named_when_it_runs_and_when_it_raises(tmp_path, model_dir, capsys):
+    """A task's ``!function`` entries run the user's Python: said once before it runs; an error raised inside it names
+    the module and function, never the data or the network."""
+    include = tmp_path / "tasks"
+    rows = [{"question": f"What is {i} + 4?", "choices": [str(i + 4), str(i + 5)], "answer": 0} for i in range(4)]
+    _local_mc_task(include, "coded", rows)
+    (include / "helpers.py").write_text("def keep(dataset):\n    return dataset\n\n\n"
+                                        "def broken(dataset):\n    raise ValueError('my bug')\n\n\n"
+                                        "def text(doc):\n    raise KeyError('no field')\n")
+    yaml_file = include / "coded.yaml"
+    base = yaml_file.read_text()
+    for name, extra in (("kept", "process_docs: !function helpers.keep\n"),
+                        ("loading", "process_docs: !function helpers.broken\n"),
+                        ("evaluating", "process_docs: !function helpers.keep\n")):
+        text = base if name != "evaluating" else base.replace('doc_to_text: "Q: {{question}}\\nA:"',
+                                                                "doc_to_text: !function helpers.text")
+        yaml_file.write_text(text.replace("task: coded", f"task: coded_{name}") + extra)
+        code, _, err = run_cli(["eval", "--model", model_dir, "--task", f"lm-eval:coded_{name}", "--lm-eval-include",
+                                include, "--out", tmp_path / name, "--no-progress"], capsys)
+        assert err.count(f"runs your Python (its !function entries): {include / 'helpers.py'}") == 1, err
+        if name == "kept":
+            assert code == 0, err
+            continue
+        errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        function = "broken" if name == "loading" else "text"
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert "your lm-eval task code raised" in errors[0] and f"function {function}" in errors[0], errors[0]
+        assert "helpers.py" in errors[0] and "cannot be loaded" not in errors[0]

@@ -17,6 +17,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from prune_heads.console import say
 from prune_heads.data.tasks import Question, Subject, TaskData
 from prune_heads.errors import UserError
 
@@ -202,7 +203,11 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
                     else "; `lm_eval_include` DIR adds your own task YAMLs")
             raise UserError(f"{name!r} is not an lm-eval task or group{hint}")
         wanted.append(_config_of_example(name) or name)
-    found = _flattened(_task_dict(wanted, manager, spec.task))
+    user_code = your_code(spec)
+    if user_code:
+        _say_once(f"lm-eval {spec.task[len(PREFIX):]} runs your Python (its !function entries): "
+                  f"{', '.join(user_code)}")
+    found = _flattened(_task_dict(wanted, manager, spec.task, user_code))
     names = task_names(spec.task)  # in the order asked for (lm-eval's own order may differ), groups in theirs
     tasks = {**{n: found[n] for n in names if n in found}, **found}
     for name, task in tasks.items():
@@ -215,7 +220,7 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
     return tasks
 
 
-def _task_dict(wanted: list, manager, task: str) -> dict:
+def _task_dict(wanted: list, manager, task: str, user_code: tuple[str, ...] = ()) -> dict:
     from lm_eval.tasks import get_task_dict
 
     try:
@@ -223,10 +228,55 @@ def _task_dict(wanted: list, manager, task: str) -> dict:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001  (datasets raises many kinds of errors for data it cannot reach)
+        raised_in_user_code(e, user_code, task)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise UserError(f"the data of `task` {task} cannot be loaded ({type(e).__name__}: {first}); offline, point "
                         "the task's YAML at local files (dataset_path: json, dataset_kwargs: data_files: {test: "
                         "FILE.jsonl}) and pass its directory with `lm_eval_include`") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _say_once(message: str) -> None:
+    """A command loads its tasks more than once (eval: the data, then each evaluation): the line is said once."""
+    say(message)
+
+
+def your_code(spec: LmEvalSpec) -> tuple[str, ...]:
+    """The Python files of the user's own that ``spec``'s tasks run (their ``!function`` entries), lm-eval's and
+    prune-heads' shipped tasks left out."""
+    return tuple(f for f in task_files(spec) if f.endswith(".py") and not _shipped(f))
+
+
+def code_of(tasks: dict[str, object]) -> tuple[str, ...]:
+    """The Python files of the user's own behind built tasks' functions (``doc_to_text``, ``process_results``, ...)."""
+    files = set()
+    for task in tasks.values():
+        for value in vars(getattr(task, "config", None) or object()).values():
+            code = getattr(value, "__code__", None)
+            if code is not None:
+                files.add(str(Path(code.co_filename).resolve()))
+    return tuple(sorted(f for f in files if not _shipped(f)))
+
+
+def _shipped(path: str) -> bool:
+    import lm_eval
+
+    return any(Path(path).is_relative_to(root) for root in (Path(lm_eval.__file__).parent.resolve(),
+                                                            EXAMPLES.resolve()))
+
+
+def raised_in_user_code(error: BaseException, user_code: tuple[str, ...], task: str) -> None:
+    """Raise a one-line ``UserError`` naming the module and function when ``error`` was raised inside the user's
+    own task code (``your_code``), so that it is not blamed on the data or the network."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if str(Path(f.filename).resolve()) in user_code]
+    if frames:
+        where = frames[-1]
+        first = (str(error).strip().splitlines() or [""])[0][:160]
+        raise UserError(f"your lm-eval task code raised {type(error).__name__} ({first}) in {where.filename}, "
+                        f"function {where.name}, line {where.lineno}, while {task} was loaded or evaluated; fix that "
+                        "function (the task's !function entry)") from None
 
 
 def _flattened(task_dict: dict) -> dict[str, object]:

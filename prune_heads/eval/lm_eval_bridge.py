@@ -30,6 +30,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 from prune_heads.console import say
+from prune_heads.data.lm_eval_tasks import code_of, raised_in_user_code
 from prune_heads.errors import UserError
 from prune_heads.eval.generation import GreedyRequest, greedy_batches
 from prune_heads.eval.textkl import next_token_damage
@@ -246,6 +247,11 @@ def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 
     level, _ = said.level, said.setLevel(logging.WARNING)  # CachingLM's per-call info lines
     try:
         out = evaluate(lm=runs, task_dict=tasks, limit=limit, log_samples=True, verbosity="ERROR")
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the task's own code may raise anything: name it)
+        raised_in_user_code(e, code_of(tasks), ", ".join(tasks))
+        raise
     finally:
         said.setLevel(level)
     return {"results": out["results"], "samples": out["samples"], "model": model}
