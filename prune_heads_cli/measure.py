@@ -78,6 +78,7 @@ def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, head
     `out` with more documents (`task_limit`) computes only the new ones."""
     from prune_heads.eval.lm_eval_bridge import evaluate_tasks
 
+    _check_lm_eval_run(settings, heads)
     identity = run_identity("eval", settings, inputs, heads=heads.to_json() if heads else None)
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged, encode=False)
@@ -105,6 +106,27 @@ def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, head
                "nat/token" if "generation" in t else ""))
     say(f"lm-eval {', '.join(summary['tasks'])}: {out / results_file(settings.task)}", fg="green")
     return summary
+
+
+def _check_lm_eval_run(settings: Settings, heads: HeadSet | None) -> None:
+    """What would fail or mislead only after the evaluation, refused before it: a results file name longer than the
+    file system allows, and, with heads ablated, a task that samples (its same-generation and token agreement would
+    compare two random draws)."""
+    import os
+
+    from prune_heads.data.lm_eval_tasks import samples
+    from prune_heads.io.files import NAME_MAX
+
+    name = results_file(settings.task)
+    if len(os.fsencode(name)) > NAME_MAX:
+        raise UserError(f"the results file of `task` {settings.task[:60]}... would be named with "
+                        f"{len(os.fsencode(name))} bytes, more than the {NAME_MAX} a file name may have; evaluate "
+                        "fewer tasks at once, or name a group of them")
+    sampled = [n for n, t in load_tasks(lm_eval_spec(settings)).items() if samples(t)] if heads else []
+    if sampled:
+        raise UserError(f"lm-eval task {sampled[0]} samples its generations (do_sample: true), so comparing the "
+                        "ablated model's with the unablated one's would measure chance; drop do_sample from its "
+                        "generation_kwargs (greedy generation), or evaluate without `ablate`")
 
 
 def _lm_eval_task(name: str, task, settings: Settings, base: dict, ablated: dict | None, into: dict) -> list[dict]:

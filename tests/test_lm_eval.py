@@ -696,3 +696,77 @@ def test_user_code_is_named_when_it_runs_and_when_it_raises(tmp_path, model_dir,
         assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
         assert "your lm-eval task code raised" in errors[0] and f"function {function}" in errors[0], errors[0]
         assert "helpers.py" in errors[0] and "cannot be loaded" not in errors[0]
+
+
+def _generative_task(directory, name, **generation):
+    """A copy of the shipped ph_gen (absolute data paths) named ``name``, with ``generation`` in its
+    generation_kwargs."""
+    import yaml
+
+    from prune_heads.data.lm_eval_tasks import EXAMPLES
+
+    config = yaml.safe_load((EXAMPLES / "ph_gen.yaml").read_text())
+    files = config["dataset_kwargs"]["data_files"]
+    config["dataset_kwargs"]["data_files"] = {split: str(EXAMPLES / f) for split, f in files.items()}
+    config["task"] = name
+    config["generation_kwargs"].update(generation)
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}.yaml").write_text(yaml.safe_dump(config))
+
+
+@pytest.mark.parametrize("case", ["fifo", "negative max_gen_toks", "absurd max_gen_toks", "sampling at temperature 0",
+                                  "sampling with a label-free budget", "sampling with eval --ablate",
+                                  "a results file name too long"])
+def test_task_settings_that_cannot_run_are_one_line_before_any_model_loads(case, tmp_path, model_dir, capsys,
+                                                                           monkeypatch):
+    import prune_heads.pipeline.stages as stages
+
+    include = tmp_path / "tasks"
+    heads = tmp_path / "h.json"
+    heads.write_text(json.dumps({"0": [1]}))
+    generation = {"negative max_gen_toks": {"max_gen_toks": -5}, "absurd max_gen_toks": {"max_gen_toks": 10**9},
+                  "sampling at temperature 0": {"do_sample": True, "temperature": 0},
+                  "sampling with a label-free budget": {"do_sample": True, "temperature": 0.7},
+                  "sampling with eval --ablate": {"do_sample": True, "temperature": 0.7}}.get(case, {})
+    _generative_task(include, "gen_case", **generation)
+    task = "lm-eval:gen_case"
+    args = ["eval", "--model", model_dir, "--task", task, "--lm-eval-include", include, "--out", tmp_path / "o"]
+    expect = {"negative max_gen_toks": "max_gen_toks -5 is not a number of tokens",
+              "absurd max_gen_toks": "max_gen_toks 1000000000 is not a number of tokens",
+              "sampling at temperature 0": "at temperature 0, which cannot run",
+              "sampling with a label-free budget": "the label-free measures need greedy generation",
+              "sampling with eval --ablate": "would measure chance",
+              "fifo": "which is not a regular file",
+              "a results file name too long": "more than the 255 a file name may have"}[case]
+    if case == "fifo":
+        os.mkfifo(include / "blocked.yaml")
+    elif case == "sampling with a label-free budget":
+        args = ["--model", model_dir, "--metric", "same-generation", "--budget", "10pt", "--kl-text", task,
+                "--lm-eval-include", include, "--out", tmp_path / "o"]
+    elif case == "sampling with eval --ablate":
+        args += ["--ablate", heads]
+    elif case == "a results file name too long":
+        names = [f"gen_case_{'x' * 40}_{i}" for i in range(6)]
+        for name in names:
+            _generative_task(include, name)
+        args[args.index(task)] = "lm-eval:" + ",".join(names)
+    monkeypatch.setattr(stages, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = run_cli([*args, "--no-progress"], capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert expect in errors[0], errors[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_users_task_named_like_a_shipped_example_wins(tmp_path, model_dir, capsys):
+    """lm-eval lets the include directory override a task name (and says so): the user's documents are the ones
+    evaluated, not the shipped example's."""
+    include = tmp_path / "tasks"
+    rows = [{"question": f"Mine {i}: what is {i} + 9?", "choices": [str(i + 9), str(i + 8)], "answer": 0}
+            for i in range(3)]
+    _local_mc_task(include, "ph_mc", rows)
+    code, _, err = run_cli(["eval", "--model", model_dir, "--task", "lm-eval:ph_mc", "--lm-eval-include", include,
+                            "--out", tmp_path / "o", "--no-progress"], capsys)
+    assert code == 0, err
+    written = (tmp_path / "o" / "lm-eval_ph_mc.jsonl").read_text().splitlines()
+    assert len(written) == 3

@@ -61,9 +61,14 @@ def check_include(include: str | None) -> None:
     path = Path(include)
     if not path.is_dir():
         raise UserError(f"`lm_eval_include` {include} is not a directory; pass a directory of lm-eval task YAMLs")
-    if not any(path.rglob("*.yaml")):
+    yamls = list(path.rglob("*.yaml"))
+    if not yamls:
         raise UserError(f"`lm_eval_include` {include} holds no .yaml task files; pass a directory of lm-eval task "
                         "YAMLs (see lm-eval's docs/new_task_guide.md)")
+    odd = next((p for p in yamls if not p.is_file()), None)  # a FIFO or socket blocks the reader for ever
+    if odd is not None:
+        raise UserError(f"`lm_eval_include` {include} holds {odd.name}, which is not a regular file (a pipe, a "
+                        "socket or a device); move it out of the task directory")
 
 
 def task_manager(include: str | None):
@@ -202,7 +207,8 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
             hint = (f"; did you mean {', '.join(close)}?" if close
                     else "; `lm_eval_include` DIR adds your own task YAMLs")
             raise UserError(f"{name!r} is not an lm-eval task or group{hint}")
-        wanted.append(_config_of_example(name) or name)
+        overridden = Path(manager.task_index[name].yaml_path or "").parent != EXAMPLES  # the user's wins, as lm-eval
+        wanted.append(name if overridden else _config_of_example(name) or name)
     user_code = your_code(spec)
     if user_code:
         _say_once(f"lm-eval {spec.task[len(PREFIX):]} runs your Python (its !function entries): "
@@ -217,7 +223,31 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
         if task.OUTPUT_TYPE not in OUTPUT_TYPES:
             raise UserError(f"lm-eval task {name} has output type {task.OUTPUT_TYPE}, which prune-heads cannot "
                             "evaluate")
+        check_generation(name, task)
     return tasks
+
+
+MAX_GEN_TOKS = 1 << 16  # more new tokens than any context prune-heads evaluates holds
+
+
+def check_generation(name: str, task) -> None:
+    """Generation settings that cannot run, one line each before any model loads: ``max_gen_toks`` that is not a
+    count of tokens (negative, zero, absurd), and sampling at temperature 0 (which transformers refuses)."""
+    if task.OUTPUT_TYPE != "generate_until":
+        return
+    kwargs = dict(task.config.generation_kwargs or {})
+    most = kwargs.get("max_gen_toks")
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_GEN_TOKS):
+        raise UserError(f"lm-eval task {name}: generation_kwargs max_gen_toks {most!r} is not a number of tokens "
+                        f"from 1 to {MAX_GEN_TOKS:,}; set it in the task's YAML")
+    if kwargs.get("do_sample") and kwargs.get("temperature", 1.0) in (0, 0.0):
+        raise UserError(f"lm-eval task {name} samples (do_sample: true) at temperature 0, which cannot run; drop "
+                        "do_sample for greedy generation, or give a temperature above 0")
+
+
+def samples(task) -> bool:
+    """Whether a generative task samples its generations (``do_sample``) rather than decoding greedily."""
+    return bool(dict(getattr(task.config, "generation_kwargs", None) or {}).get("do_sample"))
 
 
 def _task_dict(wanted: list, manager, task: str, user_code: tuple[str, ...] = ()) -> dict:

@@ -21,6 +21,7 @@ from prune_heads.data.lm_eval_tasks import (
     load_tasks,
     multiple_choice_data,
     rolling_texts,
+    samples,
     task_files,
     task_identity,
 )
@@ -121,6 +122,10 @@ def generative_tasks(settings: Settings) -> dict:
             raise UserError(f"`kl_text` {settings.kl_text}: lm-eval task {name} is {task.OUTPUT_TYPE}, not "
                             "generate_until or loglikelihood_rolling; the next-token KL reads generations or "
                             "documents (a multiple-choice task is a `task` lm-eval:NAME)")
+        if samples(task):
+            raise UserError(f"`kl_text` {settings.kl_text}: lm-eval task {name} samples its generations (do_sample: "
+                            "true), so whether the ablated model generates the same would be chance; the label-free "
+                            "measures need greedy generation: drop do_sample from the task's generation_kwargs")
         if settings.metric == "same-generation" and task.OUTPUT_TYPE != "generate_until":
             raise UserError(f"`metric` same-generation compares generations, but lm-eval task {name} is "
                             f"{task.OUTPUT_TYPE} (it generates nothing); use `metric` kl-text or token-agreement "
