@@ -21,14 +21,8 @@ from _common import machine, result, timed
 from lm_eval.evaluator import evaluate as lm_evaluate
 from lm_eval.models.huggingface import HFLM
 
-from prune_heads.data.lm_eval_tasks import (
-    PREFIX,
-    LmEvalSpec,
-    load_tasks,
-    mmlu_tasks,
-    multiple_choice_data,
-    write_mmlu_rows,
-)
+from prune_heads.data.lm_eval_index import PREFIX, LmEvalSpec
+from prune_heads.data.lm_eval_tasks import load_tasks, mmlu_tasks, multiple_choice_data, write_mmlu_rows
 from prune_heads.data.mmlu import load_mmlu
 from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.lm_eval_bridge import evaluate_tasks

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from prune_heads.console import say, warn
-from prune_heads.data.lm_eval_tasks import NOT_CHOICES, is_lm_eval, load_tasks, primary_metric
+from prune_heads.data.lm_eval_index import is_lm_eval, samples
+from prune_heads.data.lm_eval_tasks import NOT_CHOICES, load_tasks, primary_metric
 from prune_heads.data.tasks import results_file, task_format
 from prune_heads.errors import UserError
 from prune_heads.eval.cached_steps import Work
@@ -110,11 +111,10 @@ def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, head
 
 def _check_lm_eval_run(settings: Settings, heads: HeadSet | None) -> None:
     """What would fail or mislead only after the evaluation, refused before it: a results file name longer than the
-    file system allows, and, with heads ablated, a task that samples (its same-generation and token agreement would
-    compare two random draws)."""
+    file system allows, an `lm_eval_metric` a task does not report, and, with heads ablated, a task that samples
+    (its same-generation and token agreement would compare two random draws)."""
     import os
 
-    from prune_heads.data.lm_eval_tasks import samples
     from prune_heads.io.files import NAME_MAX
 
     name = results_file(settings.task)
@@ -122,7 +122,10 @@ def _check_lm_eval_run(settings: Settings, heads: HeadSet | None) -> None:
         raise UserError(f"the results file of `task` {settings.task[:60]}... would be named with "
                         f"{len(os.fsencode(name))} bytes, more than the {NAME_MAX} a file name may have; evaluate "
                         "fewer tasks at once, or name a group of them")
-    sampled = [n for n, t in load_tasks(lm_eval_spec(settings)).items() if samples(t)] if heads else []
+    tasks = load_tasks(lm_eval_spec(settings))
+    for task in tasks.values() if settings.lm_eval_metric else ():
+        primary_metric(task, settings.lm_eval_metric)  # a metric the task does not report: before, not after
+    sampled = [n for n, t in tasks.items() if samples(t)] if heads else []
     if sampled:
         raise UserError(f"lm-eval task {sampled[0]} samples its generations (do_sample: true), so comparing the "
                         "ablated model's with the unablated one's would measure chance; drop do_sample from its "

@@ -14,7 +14,8 @@ import pytest
 import torch
 from tiny import run_cli, save_tiny, tiny_model
 
-from prune_heads.data.lm_eval_tasks import LmEvalSpec, load_tasks, multiple_choice_data
+from prune_heads.data.lm_eval_index import LmEvalSpec
+from prune_heads.data.lm_eval_tasks import load_tasks, multiple_choice_data
 from prune_heads.errors import UserError
 from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.passes import task_loglik
@@ -46,7 +47,7 @@ def test_lm_evals_task_index_is_built_once_per_state_of_the_task_directories(tmp
     YAML there was edited, added or removed."""
     import lm_eval.tasks
 
-    from prune_heads.data.lm_eval_tasks import task_manager
+    from prune_heads.data.lm_eval_index import task_manager
 
     built = []
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path: built.append(include_path) or object())
@@ -116,7 +117,7 @@ def test_a_per_layer_export_under_stock_lm_eval_equals_the_verified_ablation(lm,
     result = export_pruned(lm, HEADS, out, ExportOptions(layout="per-layer", progress=False))
     spec = LmEvalSpec("lm-eval:ph_mc,ph_gen,ph_rolling", num_fewshot=2)
     ours = evaluate_tasks(lm, load_tasks(spec), result.choice.plan, 4, 6)["samples"]
-    from prune_heads.data.lm_eval_tasks import EXAMPLES
+    from prune_heads.data.lm_eval_index import EXAMPLES
 
     remote = ", trust_remote_code=True" if how == "trust_remote_code" else ""
     script = ("" if remote else "import prune_heads  # registers the per-layer classes\n") + f"""
@@ -587,7 +588,7 @@ def test_out_never_holds_a_file_a_task_reads_even_with_force(tmp_path, model_dir
     in one line, --force or not, and nothing in it changes."""
     from helpers import snapshot
 
-    from prune_heads.data.lm_eval_tasks import task_files
+    from prune_heads.data.lm_eval_index import task_files
 
     data_dir, shared, include = tmp_path / "dd", tmp_path / "shared", tmp_path / "tasks"
     rows = [{"question": f"What is {i} + 2?", "choices": [str(i + 2), str(i + 3)], "answer": 0} for i in range(4)]
@@ -600,7 +601,7 @@ def test_out_never_holds_a_file_a_task_reads_even_with_force(tmp_path, model_dir
                                       "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\n"
                                       "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n")
     (include / "child.yaml").write_text(f"include: {shared / 'base.yaml'}\ntask: child\n")
-    from prune_heads.data.lm_eval_tasks import LmEvalSpec
+    from prune_heads.data.lm_eval_index import LmEvalSpec
 
     files = task_files(LmEvalSpec("lm-eval:precious,child", str(include)))
     assert {str(data), str(shared / "base.yaml"), str(shared / "helpers.py"), str(include / "child.yaml")} <= set(files)
@@ -703,7 +704,7 @@ def _generative_task(directory, name, **generation):
     generation_kwargs."""
     import yaml
 
-    from prune_heads.data.lm_eval_tasks import EXAMPLES
+    from prune_heads.data.lm_eval_index import EXAMPLES
 
     config = yaml.safe_load((EXAMPLES / "ph_gen.yaml").read_text())
     files = config["dataset_kwargs"]["data_files"]
@@ -770,3 +771,49 @@ def test_a_users_task_named_like_a_shipped_example_wins(tmp_path, model_dir, cap
     assert code == 0, err
     written = (tmp_path / "o" / "lm-eval_ph_mc.jsonl").read_text().splitlines()
     assert len(written) == 3
+
+
+@pytest.mark.parametrize("case", ["yaml syntax", "missing include", "include cycle", "not utf-8", "empty data",
+                                  "data not json", "few-shot on a perplexity task", "more few-shot than documents",
+                                  "a metric the task lacks"])
+def test_task_definitions_that_cannot_be_read_are_named_before_any_model_loads(case, tmp_path, model_dir, capsys,
+                                                                                 monkeypatch):
+    """What lm-eval's index skips without a word, or datasets reports as StopIteration: the file, the line, the fix."""
+    import prune_heads.pipeline.stages as stages
+
+    include = tmp_path / "tasks"
+    rows = [{"question": f"What is {i} + 6?", "choices": [str(i + 6), str(i + 7)], "answer": 0} for i in range(4)]
+    data = _local_mc_task(include, "mine", rows)
+    task, extra = "lm-eval:mine", []
+    if case == "yaml syntax":
+        (include / "mine.yaml").write_text("task: mine\ndataset_path: [json\n")
+    elif case == "missing include":
+        (include / "mine.yaml").write_text("include: nowhere.yaml\ntask: mine\n")
+    elif case == "include cycle":
+        (include / "mine.yaml").write_text("include: other.yaml\ntask: mine\n")
+        (include / "other.yaml").write_text("include: mine.yaml\n")
+    elif case == "not utf-8":
+        (include / "mine.yaml").write_bytes("task: m\xeene\n".encode("latin-1"))
+    elif case == "empty data":
+        data.write_text("\n")
+    elif case == "data not json":
+        data.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    elif case == "few-shot on a perplexity task":
+        task, extra = "lm-eval:ph_rolling", ["--num-fewshot", "3"]
+    elif case == "more few-shot than documents":
+        task, extra = "lm-eval:ph_mc", ["--num-fewshot", "50"]
+    else:
+        extra = ["--lm-eval-metric", "bleu"]
+    expect = {"yaml syntax": f"the task YAML {include / 'mine.yaml'} cannot be read (YAML syntax error at line",
+              "missing include": "it includes", "include cycle": "(a cycle)", "not utf-8": "it is not UTF-8 text",
+              "empty data": f"the lm-eval data file {data} is empty",
+              "data not json": f"the lm-eval data file {data}, line 2, is not valid JSON",
+              "few-shot on a perplexity task": "takes no few-shot exemplars",
+              "more few-shot than documents": "asks for 50 few-shot exemplars but its few-shot documents hold",
+              "a metric the task lacks": "`lm_eval_metric` bleu is not a metric"}[case]
+    monkeypatch.setattr(stages, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = run_cli(["eval", "--model", model_dir, "--task", task, "--lm-eval-include", include, *extra,
+                            "--out", tmp_path / "o", "--no-progress"], capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert expect.replace("`lm_eval_metric`", "--lm-eval-metric") in errors[0], errors[0]

@@ -30,7 +30,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 from prune_heads.console import say
-from prune_heads.data.lm_eval_tasks import code_of, raised_in_user_code
+from prune_heads.data.lm_eval_index import code_of, raised_in_user_code
 from prune_heads.errors import UserError
 from prune_heads.eval.generation import GreedyRequest, greedy_batches
 from prune_heads.eval.textkl import next_token_damage

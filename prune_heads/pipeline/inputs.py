@@ -14,15 +14,12 @@ from pathlib import Path
 import torch
 
 from prune_heads.data.calibration import load_calibration
+from prune_heads.data.lm_eval_index import LmEvalSpec, is_lm_eval, samples, task_files
 from prune_heads.data.lm_eval_tasks import (
     NOT_CHOICES,
-    LmEvalSpec,
-    is_lm_eval,
     load_tasks,
     multiple_choice_data,
     rolling_texts,
-    samples,
-    task_files,
     task_identity,
 )
 from prune_heads.data.mmlu import load_mmlu

@@ -9,7 +9,7 @@ import dataclasses
 import re
 from dataclasses import asdict, dataclass, field, fields
 
-from prune_heads.data.lm_eval_tasks import is_lm_eval
+from prune_heads.data.lm_eval_index import is_lm_eval
 from prune_heads.data.tasks import MMLU_TASKS, task_format
 from prune_heads.errors import UserError
 from prune_heads.heads import SCORE_KEYS

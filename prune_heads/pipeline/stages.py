@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from prune_heads.console import say, warn
-from prune_heads.data.lm_eval_tasks import is_lm_eval
+from prune_heads.data.lm_eval_index import is_lm_eval
 from prune_heads.data.probes import ProbeOptions, ProbeSet, build_probes, probe_lengths
 from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask, encode_task

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from prune_heads import __version__
-from prune_heads.data.lm_eval_tasks import is_lm_eval
+from prune_heads.data.lm_eval_index import is_lm_eval
 from prune_heads.data.tasks import results_file
 from prune_heads.eval.results import EvalResult, accuracy_summary
 from prune_heads.eval.textkl import text_measures
