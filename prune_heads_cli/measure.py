@@ -166,7 +166,7 @@ def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict
     summary["agreement"] = round(agreement(result, baseline), 6)
     kl_text, _ = kl_texts(run.work, run.settings, run.inputs)
     if kl_text is not None:
-        damage = run.work.text_damage(kl_text.sequences, heads, kl_text.scored)
+        damage = run.work.text_damage(kl_text, heads)
         summary["kl_text"] = {"nats": round(float(damage.kl.mean()), 6),
                               "token_agreement": round(float(damage.agreement.mean()), 6),
                               "same_generation": round(float(damage.same.mean()), 6), "source": kl_text.source}

@@ -47,10 +47,19 @@ def test_lm_evals_task_index_is_built_once_per_state_of_the_task_directories(tmp
     YAML there was edited, added or removed."""
     import lm_eval.tasks
 
+    from prune_heads.data import lm_eval_index
     from prune_heads.data.lm_eval_index import task_manager
 
     built = []
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path: built.append(include_path) or object())
+
+    class Recording:  # lm-eval's TaskManager, indexing nothing, each index of the user's directories recorded
+        def __init__(self, include_path=None, include_defaults=True):
+            self._index = {}
+            if not include_defaults:
+                built.append(include_path)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recording)
+    monkeypatch.setattr(lm_eval_index, "_lm_eval_own_index", lambda: {})  # lm-eval's own: indexed once, elsewhere
     (tmp_path / "t.yaml").write_text("task: mine\n")
     first = task_manager(str(tmp_path))
     assert task_manager(str(tmp_path)) is first and len(built) == 1
@@ -817,3 +826,29 @@ def test_task_definitions_that_cannot_be_read_are_named_before_any_model_loads(c
     errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert expect.replace("`lm_eval_metric`", "--lm-eval-metric") in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("case", ["empty prompt", "empty perplexity documents"])
+def test_an_empty_prompt_or_empty_documents_are_one_line(case, tmp_path, model_dir, capsys):
+    """A generative document with nothing to generate from, a perplexity task with no text: one line each (they were
+    a reshape of 0 elements in eval/generation.py and a ZeroDivisionError in lm-eval's perplexity)."""
+    import yaml
+
+    from prune_heads.data.lm_eval_index import EXAMPLES
+
+    include = tmp_path / "tasks"
+    include.mkdir()
+    data = include / "empty.jsonl"
+    example = "ph_gen" if case == "empty prompt" else "ph_rolling"
+    config = yaml.safe_load((EXAMPLES / f"{example}.yaml").read_text())
+    config.update(task="empty_case", num_fewshot=0, dataset_kwargs={"data_files": {"test": str(data)}})
+    config.pop("fewshot_split", None)
+    (include / "empty_case.yaml").write_text(yaml.safe_dump(config))
+    field = "question" if case == "empty prompt" else "text"
+    data.write_text("".join(json.dumps({field: "", "answer": "1"}) + "\n" for _ in range(3)))
+    code, _, err = run_cli(["eval", "--model", model_dir, "--task", "lm-eval:empty_case", "--lm-eval-include", include,
+                            "--out", tmp_path / "o", "--no-progress"], capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert ("document 0: its prompt is empty" if case == "empty prompt" else "every one of its documents is empty") \
+        in errors[0], errors[0]

@@ -69,9 +69,10 @@ def check_include(include: str | None) -> None:
 
 def task_manager(include: str | None):
     """lm-eval's TaskManager over its own tasks, the shipped examples and the user's directory. Indexing lm-eval's
-    ~15,000 task YAMLs takes 15-30 s, so one manager is kept per process for the same directories in the same state
-    (every YAML's path, size and modification time): a command that loads its tasks twice, or a second command in the
-    same process, indexes once; an edited, added or removed YAML is indexed anew."""
+    ~15,000 task YAMLs takes 15-30 s: they are indexed once per process, and one manager is kept for the same
+    directories in the same state (every YAML's path, size and modification time): a command that loads its tasks
+    twice, or a second command in the same process, indexes once; an edited, added or removed YAML of the user's is
+    indexed anew, alone."""
     paths = (str(EXAMPLES),) + ((str(Path(include).resolve()),) if include else ())
     return _task_manager(paths, tuple(_yaml_state(p) for p in paths))
 
@@ -87,9 +88,43 @@ def _yaml_state(directory: str) -> tuple:
 
 @functools.lru_cache(maxsize=4)
 def _task_manager(paths: tuple[str, ...], state: tuple):
+    """lm-eval's own tasks are indexed once per process (installed files: they do not change under a run); the
+    directories in ``paths`` are indexed on their own and laid over them, later ones overriding earlier ones, as
+    lm-eval's own index does (a user's task named like one of lm-eval's wins, and is said)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=list(paths))
+    own = _lm_eval_own_index()
+    manager = TaskManager(include_path=list(paths), include_defaults=False)
+    if own is None or not isinstance(getattr(manager, "_index", None), dict):  # another layout of lm-eval's index
+        return TaskManager(include_path=list(paths))
+    for name in sorted(set(own) & set(manager._index)):
+        say(f"lm-eval task {name} of {manager._index[name].yaml_path} overrides lm-eval's own")
+    _set_index(manager, {**own, **manager._index})
+    return manager
+
+
+@functools.lru_cache(maxsize=1)
+def _lm_eval_own_index() -> dict | None:
+    from lm_eval.tasks import TaskManager
+
+    index = getattr(TaskManager(), "_index", None)
+    return dict(index) if isinstance(index, dict) else None
+
+
+def _set_index(manager, index: dict) -> None:
+    """``manager``'s index and its name lists, as lm-eval's TaskManager derives them from its index."""
+    from collections import defaultdict
+
+    from lm_eval.tasks._index import Kind
+
+    kinds = defaultdict(list)
+    for name, entry in index.items():
+        kinds[entry.kind].append(name)
+    manager._index = index
+    manager._all_tasks = sorted(index)
+    manager._all_subtasks = sorted(kinds[Kind.TASK] + kinds[Kind.PY_TASK])
+    manager._all_groups = sorted(kinds[Kind.GROUP])
+    manager._all_tags = sorted(kinds[Kind.TAG])
 
 
 def task_files(spec: LmEvalSpec) -> tuple[str, ...]:
@@ -173,6 +208,14 @@ def _function_modules(cfg: object) -> set[Path]:
             if candidate.is_file():
                 found.add(candidate.resolve())
     return found
+
+
+def check_documents(name: str, task) -> None:
+    """A perplexity task whose every document is empty scores nothing (lm-eval's perplexity divides by its words)."""
+    if task.OUTPUT_TYPE == "loglikelihood_rolling" and not any(
+            str(task.doc_to_target(doc)).strip() for doc in task.eval_docs):
+        raise UserError(f"lm-eval task {name} is a perplexity task, but every one of its documents is empty; give it "
+                        "documents with text")
 
 
 def check_fewshot(name: str, task, asked: int | None) -> None:

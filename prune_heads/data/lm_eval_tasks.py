@@ -20,6 +20,7 @@ from prune_heads.data.lm_eval_index import (
     PREFIX,
     LmEvalSpec,
     check_data_files,
+    check_documents,
     check_fewshot,
     check_generation,
     check_include,
@@ -89,6 +90,7 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
                             "evaluate")
         check_generation(name, task)
         check_fewshot(name, task, spec.num_fewshot)
+        check_documents(name, task)
     return tasks
 
 

@@ -79,6 +79,11 @@ class VerifiedLM(HFLM):
         faster); anything else (sampling, a thinking-token setting, a model whose generation config processes
         logits, sliding-window attention) through HFLM's own ``generate_until``."""
         quiet = disable_tqdm or not self.progress
+        empty = next((r for r in requests if not str(r.args[0]).strip()), None)
+        if empty is not None:  # nothing to condition on: transformers cannot generate from zero tokens
+            where = f"lm-eval task {getattr(empty, 'task_name', '?')}, document {getattr(empty, 'doc_id', '?')}"
+            raise UserError(f"{where}: its prompt is empty (doc_to_text gave no text), so there is nothing to "
+                            "generate from; fix the task's doc_to_text or drop the document")
         with self._finite(requests):
             return self._generate_until(requests, quiet)
 
