@@ -10,6 +10,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "PRUNE_HEADS_VLLM_PYTHON" in os.environ:
     os.environ["PRUNE_HEADS_TEST_VLLM_PYTHON"] = os.environ.pop("PRUNE_HEADS_VLLM_PYTHON")
 
+# Under pytest-xdist (pyproject's addopts: one worker per core), each worker computes on its share of the cores: N
+# workers each running torch on every core would fight over them. Set before torch loads; subprocesses inherit it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
 import pytest  # noqa: E402
 
 
@@ -26,6 +32,12 @@ def _float32_when_auto(request, monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_dtype_measurement: let --dtype auto measure this CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first: pytest-xdist hands tests out in turn as workers free up, so the longest start at once,
+    one per worker, and the short ones fill in around them (the run ends when its longest test does, not later)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

@@ -99,6 +99,7 @@ def test_balanced_selection_removes_the_same_number_per_group():
     assert plan_exact(sel, layouts).layers[0].kv_slots == (0, 1)  # no KV copies needed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path):
     """Every family, every layout: plain from_pretrained (no remote code; prune_heads is imported) gives the verified

@@ -13,6 +13,8 @@ from tiny import run_cli, tiny_model
 from prune_heads.errors import NonFinite
 from prune_heads.models.finite import described, finite_logits
 
+pytestmark = pytest.mark.lm_eval
+
 
 @pytest.fixture(scope="module")
 def overflowing(tmp_path_factory):

@@ -17,7 +17,12 @@ from prune_heads.errors import UserError
 
 if not llamacpp.available() and os.environ.get("PRUNE_HEADS_REQUIRE_LLAMA_CPP"):
     raise RuntimeError("llama-cpp-python is required here (PRUNE_HEADS_REQUIRE_LLAMA_CPP): pip install -e '.[gguf]'")
-needs_llama = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed")
+_skip_without_llama = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed")
+
+
+def needs_llama(test):
+    """A test that runs llama.cpp: marked ``llama_cpp`` (``-m "not llama_cpp"`` leaves it out), skipped without it."""
+    return pytest.mark.llama_cpp(_skip_without_llama(test))
 
 
 def test_rope_rows_go_from_halves_to_adjacent_pairs():
@@ -161,6 +166,7 @@ def test_a_gguf_that_does_not_match_leaves_nothing(tmp_path, capsys, monkeypatch
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.slow
 @needs_llama
 def test_the_embedded_gguf_goes_in_and_a_smaller_gguf_with_its_tokenizer_comes_out(tmp_path, capsys):
     import importlib.util
@@ -184,6 +190,7 @@ def test_the_embedded_gguf_goes_in_and_a_smaller_gguf_with_its_tokenizer_comes_o
 HELD_OUT = {"0": list(range(9)), "5": [3, 4, 5], "10": [0, 3, 6], "20": [1, 4, 7]}
 
 
+@pytest.mark.slow
 @needs_llama
 @pytest.mark.parametrize("kind", ["f32", "f16"])
 def test_the_held_out_shape_is_accepted_with_a_tolerance_from_its_masked_twin(kind, tmp_path, capsys):
@@ -203,6 +210,7 @@ def test_the_held_out_shape_is_accepted_with_a_tolerance_from_its_masked_twin(ki
     assert "from the masked twin's" in err
 
 
+@pytest.mark.slow
 @needs_llama
 def test_a_wrong_slice_of_the_held_out_shape_is_still_refused(tmp_path, capsys, monkeypatch):
     """Two kept heads of layer 10 swapped in o_proj (what a slicing bug would write) at f16, where the twin's

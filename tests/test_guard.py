@@ -281,6 +281,7 @@ def test_bad_guard_flags_are_one_line_errors(model_dir, tmp_path, capsys, flags,
 # -- the embedded model ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_zeroing_the_heads_the_probes_find_retrieving_is_refused_on_the_embedded_model():
     """SmolLM2-135M retrieves a key from 256 tokens of filler; the 13 heads that attend most from the question to the
     key (on other prompts) carry it: zeroed, retrieval collapses and the guard refuses them."""
@@ -380,6 +381,7 @@ def test_sizing_buys_the_prompts_each_tolerance_needs_within_the_time_cap():
     assert again == capped  # what a resumed run reads back from the cache
 
 
+@pytest.mark.slow
 def test_an_unresolved_guard_warns_and_sizes_itself_through_the_main_command(model_dir, tmp_path, capsys,
                                                                               monkeypatch):
     """Under the default (sizing auto) the run predicts each probe's half-width, sizes passkey and copy up to resolve

@@ -71,6 +71,7 @@ def model_dir(tmp_path_factory):
 
 
 
+@pytest.mark.slow
 def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

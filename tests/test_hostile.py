@@ -279,6 +279,7 @@ def test_recipe_reader_returns_a_checked_mapping_or_one_line(tmp_path, value):
         assert type(data["batch_size"]) is int and data["batch_size"] > 0
 
 
+@pytest.mark.slow
 def test_no_progress_silences_every_bar_the_libraries_included(tmp_path, model_dir):
     import subprocess
     import sys

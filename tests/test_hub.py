@@ -41,6 +41,7 @@ torch.save(m(input_ids=ids).logits, sys.argv[3])
 """
 
 
+@pytest.mark.slow
 def test_push_round_trip_files_and_logits(export_dir, hub, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -66,6 +67,7 @@ def test_push_round_trip_files_and_logits(export_dir, hub, tmp_path):
     assert torch.equal(torch.load(out), expected)
 
 
+@pytest.mark.slow
 def test_push_refuses_to_overwrite_without_force_and_bad_dirs_and_tokens(export_dir, hub, tmp_path):
     server, env = hub
     assert cli_subprocess(["push", export_dir, "--repo-id", "user/r"], env).returncode == 0
@@ -85,6 +87,7 @@ def test_push_refuses_to_overwrite_without_force_and_bad_dirs_and_tokens(export_
     assert "user/y" not in server.state.repos
 
 
+@pytest.mark.slow
 def test_main_command_push_to(hub, tmp_path):
     from helpers import cais_file
 
@@ -102,6 +105,7 @@ def test_main_command_push_to(hub, tmp_path):
     assert repo["branches"]["main"]["files"]["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_push_makes_an_existing_public_repo_private_when_asked_and_words_bad_ids(export_dir, hub):
     server, env = hub
     assert cli_subprocess(["push", export_dir, "--repo-id", "user/pub"], env).returncode == 0

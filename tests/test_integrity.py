@@ -230,6 +230,7 @@ def test_a_legal_long_out_name_is_written(tmp_path, model_dir, capsys):
     assert (out / MANIFEST).is_file() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+@pytest.mark.slow
 def test_names_that_are_not_utf8_and_a_c_locale(tmp_path, model_dir, capsys):
     odd = _copy(model_dir, tmp_path / os.fsdecode(b"m\xff\xfe"))
     code, _, err = run_cli(["export", "--model", odd, "--heads", _heads(tmp_path / "h.json"), "--no-mmlu", "--out",
@@ -435,6 +436,7 @@ def test_adapt_and_push_refuse_an_edited_manifest(tmp_path, pruned_and_adapter, 
 # -- push: every refusal before anything on the Hub changes -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_push_refuses_before_it_creates_a_branch_or_changes_privacy(tmp_path, pruned_and_adapter):
     from helpers import cli_subprocess
     from hub_server import HubServer

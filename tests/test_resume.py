@@ -73,6 +73,7 @@ def _same_result(report, reference):
     assert report["export"]["task_eval"] == reference["export"]["task_eval"]
 
 
+@pytest.mark.slow
 def test_sigkill_during_evaluation_then_resume(setup, reference, tmp_path):
     out = tmp_path / "run"
     partial = tmp_path / ".run.partial"
@@ -94,6 +95,7 @@ def test_sigkill_during_evaluation_then_resume(setup, reference, tmp_path):
     assert "resuming" in err and not partial.exists()
 
 
+@pytest.mark.slow
 def test_sigkill_during_export_then_resume_repeats_nothing(setup, reference, tmp_path):
     out = tmp_path / "run"
     partial = tmp_path / ".run.partial"
@@ -110,6 +112,7 @@ def test_sigkill_during_export_then_resume_repeats_nothing(setup, reference, tmp
     assert json.loads((out / "prune_heads.json").read_text())["verified"]
 
 
+@pytest.mark.slow
 def test_corrupted_cache_entry_is_detected_and_recomputed(setup, reference, tmp_path):
     out = tmp_path / "run"
     code, _, err = finished(cli(args(setup, out)))
@@ -126,6 +129,7 @@ def test_corrupted_cache_entry_is_detected_and_recomputed(setup, reference, tmp_
     _same_result(report, reference)
 
 
+@pytest.mark.slow
 def test_a_changed_setting_recomputes_only_what_it_affects(setup, reference, tmp_path):
     out = tmp_path / "run"
     code, _, err = finished(cli(args(setup, out)))

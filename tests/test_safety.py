@@ -37,6 +37,7 @@ def test_resume_on_a_directory_the_user_filled_deletes_nothing(tmp_path, model_d
     assert snapshot(mine) == before and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_resume_continues_a_finished_run_of_ours(tmp_path, model_dir, heads, capsys):
     out = tmp_path / "out"
     assert run_cli(_export(model_dir, heads, out), capsys)[0] == 0

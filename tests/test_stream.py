@@ -32,6 +32,7 @@ def _source(tmp_path, family):
     return load_model(str(tmp_path / "src"), "float32", "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_export_equals_the_export_from_memory(family, tmp_path):
     lm = _source(tmp_path, family)
@@ -87,6 +88,7 @@ def test_shards_copy_source_bytes_file_to_file_and_write_cast_tensors_beside_the
         assert f.metadata() == {"format": "pt"}
 
 
+@pytest.mark.slow
 def test_a_streamed_export_in_another_dtype_casts_what_it_cannot_copy(tmp_path):
     lm = _source(tmp_path, "llama")  # float32 files
     bf16 = load_model(str(tmp_path / "src"), "bfloat16", "cpu")

@@ -22,7 +22,8 @@ from prune_heads.heads import HeadSet
 PYTHON = vllm_python(os.environ.get("PRUNE_HEADS_TEST_VLLM_PYTHON"))  # conftest moved $PRUNE_HEADS_VLLM_PYTHON there
 if PYTHON is None and os.environ.get("PRUNE_HEADS_REQUIRE_VLLM"):
     raise RuntimeError("PRUNE_HEADS_REQUIRE_VLLM is set but no vLLM was found: set PRUNE_HEADS_VLLM_PYTHON")
-pytestmark = pytest.mark.skipif(PYTHON is None, reason="no vLLM: set PRUNE_HEADS_VLLM_PYTHON (README, vLLM)")
+pytestmark = [pytest.mark.skipif(PYTHON is None, reason="no vLLM: set PRUNE_HEADS_VLLM_PYTHON (README, vLLM)"),
+              pytest.mark.vllm, pytest.mark.slow]
 
 
 def _export(lm, heads, tmp_path, layout, measure_speed=False):
