@@ -164,6 +164,7 @@ def test_real_smollm2_end_to_end(tmp_path):
     assert "%|" not in proc.stderr and "it/s" not in proc.stderr  # --no-progress: GGUF conversion's bar too
 
 
+@pytest.mark.slow
 def test_export_subcommand_and_failed_runs_leave_nothing_under_the_final_name(model_dir, mmlu_file, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 

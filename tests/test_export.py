@@ -186,6 +186,7 @@ def test_without_vllm_the_export_ships_marked_not_verified_in_vllm_with_the_inst
     assert result.vllm == {"verified": False, "why_not": "vLLM has no olmo2 class the plugin builds per layer"}
 
 
+@pytest.mark.slow
 def test_a_per_layer_export_loads_with_remote_code_where_prune_heads_is_not_installed(tmp_path):
     """Without the package (its import blocked in a fresh process), the shipped modeling_pruned.py builds the same
     model under trust_remote_code=True: its logits equal the verified ablation's."""

@@ -141,6 +141,7 @@ def _family(out):
     return json.loads((out / "config.json").read_text())["model_type"].removeprefix("pruned_")
 
 
+@pytest.mark.slow
 def test_resume_refuses_the_finished_export_of_another_model(model_dir, other_model, tmp_path, capsys):
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"0": [0, 3]}))
@@ -387,6 +388,7 @@ def test_ctrl_c_while_the_command_starts_prints_no_traceback(tmp_path):
         assert not (tmp_path / f"o{delay}").exists()
 
 
+@pytest.mark.slow
 def test_no_export_reports_what_each_point_would_ship(model_dir, mmlu, tmp_path, capsys):
     code, _, err = run_cli(_main_args(model_dir, mmlu, tmp_path / "a", "--no-export"), capsys)
     assert code == 0 and "ships -0" not in err and "efficiency 0.00" not in err, err

@@ -153,6 +153,7 @@ def test_a_changed_setting_recomputes_only_what_it_affects(setup, reference, tmp
     assert second["cache"]["loaded"] >= 2  # at least the scores and the baseline came from the cache
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_says_how_to_resume(setup, tmp_path):
     out = tmp_path / "run"
     partial = tmp_path / ".run.partial"

@@ -119,6 +119,7 @@ def model_dir(tmp_path_factory):
 
 
 
+@pytest.mark.slow
 def test_study_cli_interrupted_resumed_and_extended(model_dir, tmp_path, capsys, monkeypatch):
     import prune_heads.eval.cached_steps as work
 
