@@ -834,7 +834,7 @@ def test_task_definitions_that_cannot_be_read_are_named_before_any_model_loads(c
               "missing include": "it includes", "include cycle": "(a cycle)", "not utf-8": "it is not UTF-8 text",
               "empty data": f"the lm-eval data file {data} is empty",
               "data not json": f"the lm-eval data file {data}, line 2, is not valid JSON",
-              "few-shot on a perplexity task": "takes no few-shot exemplars",
+              "few-shot on a perplexity task": "take no few-shot exemplars",
               "more few-shot than documents": "asks for 50 few-shot exemplars but its few-shot documents hold",
               "a metric the task lacks": "`lm_eval_metric` bleu is not a metric"}[case]
     monkeypatch.setattr(stages, "load", lambda *a, **k: pytest.fail("the model was loaded"))

@@ -219,11 +219,7 @@ def check_documents(name: str, task) -> None:
 
 
 def check_fewshot(name: str, task, asked: int | None) -> None:
-    """A few-shot count the task cannot take: any on a perplexity task (it scores whole documents), more exemplars
-    than its few-shot documents hold."""
-    if asked and task.OUTPUT_TYPE == "loglikelihood_rolling":
-        raise UserError(f"`num_fewshot` {asked}: lm-eval task {name} is loglikelihood_rolling (a perplexity task "
-                        "scores whole documents) and takes no few-shot exemplars; drop `num_fewshot`")
+    """A few-shot count the task cannot take: more exemplars than its few-shot documents hold."""
     wanted = task.config.num_fewshot or 0
     if not wanted:
         return

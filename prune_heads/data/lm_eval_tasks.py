@@ -91,6 +91,9 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
         check_generation(name, task)
         check_fewshot(name, task, spec.num_fewshot)
         check_documents(name, task)
+    if spec.num_fewshot and all(t.OUTPUT_TYPE == "loglikelihood_rolling" for t in tasks.values()):
+        raise UserError(f"`num_fewshot` {spec.num_fewshot}: {', '.join(tasks)} only score whole documents "
+                        "(loglikelihood_rolling) and take no few-shot exemplars; drop `num_fewshot`")
     return tasks
 
 
