@@ -11,7 +11,7 @@ from prune_heads.data.lm_eval_tasks import NOT_CHOICES, load_tasks, primary_metr
 from prune_heads.data.tasks import results_file, task_format
 from prune_heads.errors import UserError
 from prune_heads.eval.cached_steps import Work
-from prune_heads.eval.lm_eval_results import document_rows, document_value, generation_summary, paired
+from prune_heads.eval.lm_eval_results import document_rows, document_value, generation_summary, paired, paired_as
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
 from prune_heads.eval.textkl import HeldOutText
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable
@@ -90,23 +90,42 @@ def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, head
                                   settings.progress, run.work.lm_eval_cache(heads)) if heads else None)
         summary = {"model": run.lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
                    "task": settings.task, "ablated_heads": heads.to_json() if heads else {},
-                   "lm_eval": {"unablated": _plain(base["results"]), **({"ablated": _plain(ablated["results"])}
-                                                                         if ablated else {})}, "tasks": {}}
+                   "lm_eval": _lm_eval_results(base, ablated), "tasks": {}}
         rows = []
         for name, task in load_tasks(spec).items():
             rows += _lm_eval_task(name, task, settings, base, ablated, summary["tasks"])
         write_jsonl(staged.path / results_file(settings.task), rows)
         write_json(staged.path / "summary.json", summary)
+    _say_results(summary)
+    say(f"lm-eval {', '.join(summary['tasks'])}: {out / results_file(settings.task)}", fg="green")
+    return summary
+
+
+def _lm_eval_results(base: dict, ablated: dict | None) -> dict:
+    """lm-eval's own aggregates, per task and per group that aggregates (unablated, and ablated when heads are)."""
+    runs = {"unablated": base, **({"ablated": ablated} if ablated else {})}
+    out = {name: _plain(run["results"]) for name, run in runs.items()}
+    groups = {name: _plain(run["groups"]) for name, run in runs.items() if run["groups"]}
+    return {**out, **({"groups": groups} if groups else {})}
+
+
+def _say_results(summary: dict) -> None:
+    """A line per task (its documents paired) and per group (lm-eval's aggregates)."""
     for name, t in summary["tasks"].items():
         d = t.get("paired")
-        what = t["metric"] + (" as log-likelihood per unit" if d and d["unit"] == "nats per unit" else "")
+        what = t["metric"] + (f" as {t['as']}" if t.get("as") else "")
         say(f"{name} {what} {t['unablated']:.4g}" + (f" -> {d['ablated']:.4g}, delta {d['delta']:+.4g} "
             f"{d['unit']} [{d['ci95'][0]:+.4g}, {d['ci95'][1]:+.4g}]" if d else "")
             + (f"; same generation {100 * t['generation']['same_generation']:.1f}%, tokens predicted "
                f"{100 * t['generation']['token_agreement']:.1f}%, KL {t['generation']['kl_per_token_nats']:.4f} "
                "nat/token" if "generation" in t else ""))
-    say(f"lm-eval {', '.join(summary['tasks'])}: {out / results_file(settings.task)}", fg="green")
-    return summary
+    groups = summary["lm_eval"].get("groups", {})
+    for group, values in groups.get("unablated", {}).items():
+        ablated = groups.get("ablated", {}).get(group, {})
+        for key, value in values.items():
+            if isinstance(value, float) and "_stderr" not in key:
+                say(f"{group} (group, lm-eval's aggregate) {key} {value:.4g}"
+                    + (f" -> {ablated[key]:.4g}" if isinstance(ablated.get(key), float) else ""))
 
 
 def _check_lm_eval_run(settings: Settings, heads: HeadSet | None) -> None:
@@ -140,8 +159,9 @@ def _lm_eval_task(name: str, task, settings: Settings, base: dict, ablated: dict
     metrics = [m["metric"] for m in task.config.metric_list or []] or [metric]
     mine = sorted(base["samples"][name], key=lambda s: s["doc_id"])
     theirs = sorted(ablated["samples"][name], key=lambda s: s["doc_id"]) if ablated else None
-    entry = {"output_type": task.OUTPUT_TYPE, "metric": metric, "documents": len(mine),
-             "unablated": sum(document_value(s, metric) for s in mine) / max(len(mine), 1)}
+    what = paired_as(mine[0], metric)[1] if mine else ""
+    entry = {"output_type": task.OUTPUT_TYPE, "metric": metric, **({"as": what} if what else {}),
+             "documents": len(mine), "unablated": sum(document_value(s, metric) for s in mine) / max(len(mine), 1)}
     agreement = None
     if theirs is not None:
         entry["paired"] = paired(mine, theirs, metric)

@@ -220,6 +220,56 @@ def test_eval_writes_one_record_per_document_and_the_paired_summary(tmp_path, mo
     assert "exact_match,strip" in summary["lm_eval"]["ablated"]["ph_gen"]
 
 
+def _group_of_two(root):
+    """A group of two tasks of the user's that aggregates their accuracy (weighted by size): a multiple-choice task on
+    the shipped example's data and a loglikelihood task (lambada's shape: the target's log-likelihood as
+    ``perplexity``, and ``acc``: whether the target is the greedy continuation)."""
+    from prune_heads.data.lm_eval_index import EXAMPLES
+
+    root.mkdir()
+    rows = [("The cat sat on the", "mat"), ("One, two, three,", "four"), ("Red, green and", "blue"),
+            ("Monday, Tuesday,", "Wednesday")]
+    (root / "ll.jsonl").write_text("".join(json.dumps({"context": c, "target": t}) + "\n" for c, t in rows))
+    mc = (EXAMPLES / "ph_mc.yaml").read_text().replace("task: ph_mc", "task: my_mc")
+    mc = mc.replace("test: ph_mc.jsonl", f"test: {EXAMPLES / 'ph_mc.jsonl'}")
+    (root / "my_mc.yaml").write_text(mc.replace("train: ph_mc_fewshot.jsonl", f"train: {EXAMPLES / 'ph_mc_fewshot.jsonl'}"))
+    (root / "my_ll.yaml").write_text(
+        f"task: my_ll\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / 'll.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{context}}'\ndoc_to_target: ' {{target}}'\n"
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n")
+    (root / "my_pair.yaml").write_text("group: my_pair\ntask:\n  - my_mc\n  - my_ll\naggregate_metric_list:\n"
+                                       "  - metric: acc\n    aggregation: mean\n    weight_by_size: true\n"
+                                       "metadata:\n  version: 1.0\n")
+    return root
+
+
+def test_a_groups_aggregate_and_a_loglikelihood_tasks_perplexity_are_reported_as_what_they_are(tmp_path, model_dir,
+                                                                                                capsys):
+    """A group's own aggregate (lm-eval's, unablated and ablated) reaches summary.json and the output; a loglikelihood
+    task's per-document ``perplexity`` (the target's log-likelihood) is paired and printed as that, in nats, not as a
+    perplexity."""
+    heads = tmp_path / "h.json"
+    heads.write_text(json.dumps(HEADS.to_json()))
+    out = tmp_path / "e"
+    code, _, err = run_cli(["eval", "--model", model_dir, "--task", "lm-eval:my_pair", "--task-limit", "4",
+                            "--lm-eval-include", _group_of_two(tmp_path / "tasks"), "--ablate", heads, "--out", out,
+                            "--no-progress"], capsys)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    ll = summary["tasks"]["my_ll"]
+    assert ll["metric"] == "perplexity" and ll["as"] == "the target's log-likelihood per document"
+    assert ll["paired"]["unit"] == "nats" and ll["unablated"] < 0 and ll["paired"]["n"] == 4
+    assert "my_ll perplexity as the target's log-likelihood per document" in err
+    # lm-eval's own perplexity is exp(-mean) of those log-likelihoods.
+    assert summary["lm_eval"]["unablated"]["my_ll"]["perplexity,none"] == pytest.approx(np.exp(-ll["unablated"]))
+    groups = summary["lm_eval"]["groups"]
+    for run in ("unablated", "ablated"):
+        accs = {t: summary["lm_eval"][run][t]["acc,none"] for t in ("my_mc", "my_ll")}
+        assert groups[run]["my_pair"]["acc,none"] == pytest.approx(sum(accs.values()) / 2)  # 4 documents each
+    assert "my_pair (group, lm-eval's aggregate) acc,none" in err
+
+
 @pytest.mark.slow
 def test_evals_lm_eval_runs_resume_and_a_longer_run_computes_only_the_new_documents(tmp_path, model_dir, capsys,
                                                                                   monkeypatch):

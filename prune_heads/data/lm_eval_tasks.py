@@ -54,9 +54,18 @@ def _config_of_example(name: str) -> dict | None:
     return config
 
 
-def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
-    """{task name: lm-eval Task} of ``spec``, groups expanded to their tasks, documents loaded; one line for an unknown
-    name (with the closest ones) or data that cannot be read offline."""
+class TaskSet(dict):
+    """{task name: lm-eval Task}, groups expanded to their tasks; ``tree``: lm-eval's own nested dict of the same Task
+    objects (a group a key over its tasks), what lm-eval's ``evaluate`` reads to aggregate a group."""
+
+    def __init__(self, tasks: dict, tree: dict):
+        super().__init__(tasks)
+        self.tree = tree
+
+
+def load_tasks(spec: LmEvalSpec) -> TaskSet:
+    """{task name: lm-eval Task} of ``spec``, groups expanded to their tasks (kept in ``tree``), documents loaded; one
+    line for an unknown name (with the closest ones) or data that cannot be read offline."""
     require_lm_eval()
     check_include(spec.include)
     manager = task_manager(spec.include)
@@ -78,7 +87,8 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
         say_once(f"lm-eval {spec.task[len(PREFIX):]} runs your Python (its !function entries): "
                   f"{', '.join(user_code)}")
     check_data_files(task_files(spec))
-    found = _flattened(_task_dict(wanted, manager, spec.task, user_code))
+    tree = _task_dict(wanted, manager, spec.task, user_code)
+    found = _flattened(tree)
     names = task_names(spec.task)  # in the order asked for (lm-eval's own order may differ), groups in theirs
     tasks = {**{n: found[n] for n in names if n in found}, **found}
     for name, task in tasks.items():
@@ -94,7 +104,7 @@ def load_tasks(spec: LmEvalSpec) -> dict[str, object]:
     if spec.num_fewshot and all(t.OUTPUT_TYPE == "loglikelihood_rolling" for t in tasks.values()):
         raise UserError(f"`num_fewshot` {spec.num_fewshot}: {', '.join(tasks)} only score whole documents "
                         "(loglikelihood_rolling) and take no few-shot exemplars; drop `num_fewshot`")
-    return tasks
+    return TaskSet(tasks, tree)
 
 
 def _task_dict(wanted: list, manager, task: str, user_code: tuple[str, ...] = ()) -> dict:

@@ -236,7 +236,8 @@ def _json_bytes(value) -> bytes:
 def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 8, limit: int | None = None,
                    progress: bool = True, cache_db: Path | None = None, ranks: Ranks = LOCAL) -> dict:
     """lm-eval's ``evaluate`` of ``tasks`` (fresh lm-eval Task objects: lm-eval builds their requests) on ``lm`` with
-    ``target`` ablated: its results, per-document samples and the model it ran (for teacher forcing).
+    ``target`` ablated: its results, its groups' aggregates (where ``tasks`` keeps lm-eval's tree and a group
+    aggregates), per-document samples and the model it ran (for teacher forcing).
 
     ``cache_db``: lm-eval's request cache (``DataCachingLM``, an SQLite file of JSON values) for this model and
     ``target``: each request's response is kept as it is computed, so an interrupted evaluation resumes and a later
@@ -251,7 +252,8 @@ def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 
     said = logging.getLogger("lm_eval.api.model")
     level, _ = said.level, said.setLevel(logging.WARNING)  # CachingLM's per-call info lines
     try:
-        out = evaluate(lm=runs, task_dict=tasks, limit=limit, log_samples=True, verbosity="ERROR")
+        out = evaluate(lm=runs, task_dict=getattr(tasks, "tree", tasks), limit=limit, log_samples=True,
+                       verbosity="ERROR")
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001  (the task's own code may raise anything: name it)
@@ -259,7 +261,7 @@ def evaluate_tasks(lm: LoadedModel, tasks: dict, target=None, batch_size: int = 
         raise
     finally:
         said.setLevel(level)
-    return {"results": out["results"], "samples": out["samples"], "model": model}
+    return {"results": out["results"], "groups": out.get("groups", {}), "samples": out["samples"], "model": model}
 
 
 def generation_agreement(model: VerifiedLM, reference: VerifiedLM, samples: list[dict],

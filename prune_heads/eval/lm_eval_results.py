@@ -4,7 +4,8 @@ model on the same documents: what ``prune-heads eval --task lm-eval:NAME`` write
 lm-eval computes every metric; a document's value is the one lm-eval logged for it, under lm-eval's name. A
 perplexity metric (``word_perplexity``, ``byte_perplexity``, ``bits_per_byte``) logs ``(log-likelihood, units)``
 per document; it is paired as log-likelihood per unit (nats per word or byte: higher is better), since perplexity
-itself is an aggregate over documents.
+itself is an aggregate over documents. A loglikelihood task's ``perplexity`` logs the target's log-likelihood per
+document (lm-eval aggregates ``exp(-mean)``): it is paired as that log-likelihood, in nats.
 """
 from __future__ import annotations
 
@@ -22,19 +23,32 @@ def document_value(sample: dict, metric: str) -> float:
     return float(value)
 
 
+LOGLIKELIHOOD_METRICS = ("perplexity",)  # per document: the target's log-likelihood (a loglikelihood task)
+
+
+def paired_as(sample: dict, metric: str) -> tuple[str, str]:
+    """(the unit ``metric``'s document values are paired in, what they are where that is not the metric itself)."""
+    if isinstance(sample[metric], (tuple, list)):
+        return "nats per unit", "log-likelihood per unit"
+    if metric in LOGLIKELIHOOD_METRICS:
+        return "nats", "the target's log-likelihood per document"
+    return "", ""
+
+
 def paired(base: list[dict], ablated: list[dict], metric: str) -> dict:
     """The ablated minus the unablated value of ``metric``, document by document, with a normal 95% interval: in
-    points for a metric between 0 and 1 (accuracy, exact match), else in the metric's own unit."""
+    points for a metric between 0 and 1 (accuracy, exact match), else in the metric's own unit (``paired_as``)."""
     a = torch.tensor([document_value(s, metric) for s in base], dtype=torch.float64)
     b = torch.tensor([document_value(s, metric) for s in ablated], dtype=torch.float64)
-    share = bool(((a >= 0) & (a <= 1) & (b >= 0) & (b <= 1)).all()) and not isinstance(base[0][metric], (tuple, list))
+    unit, what = paired_as(base[0], metric)
+    share = not unit and bool(((a >= 0) & (a <= 1) & (b >= 0) & (b <= 1)).all())
     scale = 100.0 if share else 1.0
     d = (b - a) * scale
     n = d.numel()
     se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
     delta = PairedDelta(float(d.mean()), float(d.mean()) - 1.96 * se, float(d.mean()) + 1.96 * se, n)
-    unit = "points" if share else ("nats per unit" if isinstance(base[0][metric], (tuple, list)) else "")
-    return {"metric": metric, "unit": unit, "unablated": round(float(a.mean()), 6),
+    return {"metric": metric, "unit": "points" if share else unit, **({"as": what} if what else {}),
+            "unablated": round(float(a.mean()), 6),
             "ablated": round(float(b.mean()), 6), "delta": round(delta.delta, 4),
             "ci95": [round(delta.ci_low, 4), round(delta.ci_high, 4)], "n": n}
 
