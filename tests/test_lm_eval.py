@@ -628,7 +628,30 @@ def test_no_progress_silences_every_bar_lm_evals_and_datasets_included(tmp_path,
     assert code == 0 and "Generating test split" in err and "%|" in err, err
 
 
-HOSTILE = "<img src=x onerror=alert(1)>|**pwn**|[link](http://evil.example)"
+HOSTILE = "<img src=x onerror=alert(1)>|**pwn**|[link](http://evil.example) $x^$"
+
+
+def test_user_text_in_plots_and_markdown_is_shown_as_written(tmp_path):
+    """matplotlib reads ``$...$`` as mathtext (an unbalanced ``$`` fails the drawing): every plot draws the user's text
+    as written. In Markdown, ``$`` (math on GitHub and the Hub) and ``&`` (an HTML entity) are escaped too."""
+    import matplotlib.pyplot as plt
+
+    from prune_heads.report import plots
+    from prune_heads.report.markdown import plain
+
+    drawn = []
+    real_save = plots._save
+    plots._save = lambda fig, path: (drawn.append([t.get_text() for t in fig.findobj(plt.Text) if t.get_text()]),
+                                     real_save(fig, path))[1]
+    try:
+        path = plots.score_heatmap(torch.rand(3, 4), "ahon_ln", HeadSet.of({0: [1]}), tmp_path / "h.png",
+                                   title=f"lm-eval:{HOSTILE} on $\\frac{{1}}{{2}}$")
+    finally:
+        plots._save = real_save
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"lm-eval:{HOSTILE} on $\\frac{{1}}{{2}}$" in drawn[0]
+    assert plt.rcParams["text.parse_math"]  # the caller's own settings are left as they were
+    assert plain("$x$ & y") == "\\$x\\$ \\& y"
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Figures people would rather look at than read: where the dormant heads are, and what removing them costs."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import matplotlib
@@ -13,6 +14,16 @@ from prune_heads.heads import HeadSet, score_direction
 from prune_heads.io.files import atomic_path
 
 
+def _literal(plot):
+    """Every text of the figure as written: task names, model paths and labels are the user's text, and matplotlib
+    would read ``$...$`` in them as mathtext (an unbalanced ``$`` fails the drawing)."""
+    @functools.wraps(plot)
+    def drawn(*args, **kwargs):
+        with plt.rc_context({"text.parse_math": False, "text.usetex": False}):
+            return plot(*args, **kwargs)
+    return drawn
+
+
 def _save(fig, path: Path) -> Path:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
@@ -20,6 +31,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+@_literal
 def score_heatmap(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path, title: str = "") -> Path:
     """Layer x head heatmap of one score; removed heads are outlined."""
     layers, heads = scores.shape
@@ -39,6 +51,7 @@ def score_heatmap(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path, t
     return _save(fig, path)
 
 
+@_literal
 def search_curve(points: list[dict], baseline_accuracy: float, budget, path: Path, title: str = "") -> Path:
     """Task accuracy vs % of heads ablated, with the per-point 95% CI of the paired difference; under a budget on
     anything else (answer KL, a measure on held-out text), what the budget limits beside the accuracy."""
@@ -128,6 +141,7 @@ def _measure_curve(pts: list[dict], budget, path: Path, title: str, base: float)
     return _save(fig, path)
 
 
+@_literal
 def score_cdfs(means_a: dict, means_b: dict, name_a: str, name_b: str, keys: list[str], path: Path) -> Path:
     """Overlaid empirical CDFs of the per-head scores of two models, one panel per score function."""
     cols = 5
@@ -148,6 +162,7 @@ def score_cdfs(means_a: dict, means_b: dict, name_a: str, name_b: str, keys: lis
     return _save(fig, path)
 
 
+@_literal
 def study_curves(study: dict, path: Path, title: str = "") -> Path:
     """Accuracy vs % of heads zeroed for every score function, one panel per ablation mode, random heads dashed."""
     modes = [m for m in ("dynamic", "static") if m in study["ranking"]] or ["random"]
@@ -202,6 +217,7 @@ def study_curves(study: dict, path: Path, title: str = "") -> Path:
     return _save(fig, path)
 
 
+@_literal
 def study_ranking(study: dict, path: Path, title: str = "") -> Path:
     """Largest % of heads zeroed within budget per score function (best first), one bar per ablation mode."""
     modes = [m for m in ("dynamic", "static") if m in study["ranking"]]
@@ -227,6 +243,7 @@ def study_ranking(study: dict, path: Path, title: str = "") -> Path:
     return _save(fig, path)
 
 
+@_literal
 def shipped_curve(points: list[dict], budget, path: Path, title: str = "") -> Path:
     """What the budget limits (accuracy drop, answer KL or text KL) against the saving of the model that ships: %
     of attention parameters removed (left) and % of KV cache removed (right), chosen point starred."""
@@ -255,6 +272,4 @@ def shipped_curve(points: list[dict], budget, path: Path, title: str = "") -> Pa
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(title or "budget vs shipped saving", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
