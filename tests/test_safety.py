@@ -78,3 +78,65 @@ def test_a_checkpoint_without_every_weight_is_refused_not_filled_at_random(tmp_p
     code, _, err = run_cli(_export(model, heads, out), capsys)
     assert code == 2 and f"{'is missing' if damage == 'missing' else 'has unexpected'} weights" in err
     assert "self_attn" in err and not out.exists() and "Traceback" not in err
+
+
+def _as_a_user_would_see_permissions(monkeypatch):
+    """The permission rule a non-root user meets (root, as CI runs, is exempt from it): a name in a directory without
+    write permission cannot be removed."""
+    import errno
+    import os
+    import stat
+
+    for name in ("unlink", "rmdir"):
+        real = getattr(os, name)
+
+        def guarded(path, *args, _real=real, **kwargs):
+            parent = os.path.dirname(os.path.join(str(kwargs.get("dir_fd") and "") or "", str(path)))
+            if "dir_fd" in kwargs and kwargs["dir_fd"] is not None:
+                mode = os.fstat(kwargs["dir_fd"]).st_mode
+            else:
+                mode = os.stat(parent or ".").st_mode
+            if not mode & stat.S_IWUSR:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return _real(path, *args, **kwargs)
+        monkeypatch.setattr(os, name, guarded)
+
+
+def _previous_run(out, read_only: bool):
+    from prune_heads.io.staging import MARKER
+
+    (out / "cache" / "deep").mkdir(parents=True)
+    for f in (out / "report.json", out / "cache" / "a.safetensors", out / "cache" / "deep" / "b.sqlite", out / MARKER):
+        f.write_text("{}")
+    if read_only:  # what `chmod -R a-w` leaves
+        for p in sorted(out.rglob("*"), key=lambda p: -len(p.parts)):
+            p.chmod(0o444 if p.is_file() else 0o555)
+
+
+def test_force_replaces_a_read_only_out_and_says_what_it_could_not_remove(tmp_path, monkeypatch, small_disk, caplog):
+    """--force over a previous --out whose files and directories are read-only replaces it entirely (no hidden
+    .NAME.old-* left behind); a part that cannot be removed at all (here a file system mounted inside it) is named in
+    one warning with the directory kept, never left without a word."""
+    import subprocess
+
+    from prune_heads.io.staging import StagedDirectory
+
+    out = tmp_path / "out"
+    _previous_run(out, read_only=True)
+    with monkeypatch.context() as patch:
+        _as_a_user_would_see_permissions(patch)
+        with StagedDirectory(out, force=True) as staged:
+            (staged.path / "new.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out"] and (out / "new.txt").read_text() == "new"
+    assert "WARNING" not in caplog.text
+    # A file system mounted inside the previous --out: the rest goes, that part stays, and the run says where.
+    (out / "mnt").mkdir()
+    subprocess.run(["mount", "--bind", str(small_disk), str(out / "mnt")], check=True)
+    try:
+        with StagedDirectory(out, force=True) as staged:
+            (staged.path / "newer.txt").write_text("newer")
+        left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+        assert len(left) == 1 and [p.name for p in left[0].iterdir()] == ["mnt"]
+        assert f"it is kept as {left[0]}: remove it yourself" in caplog.text and "Device or resource busy" in caplog.text
+    finally:
+        subprocess.run(["umount", "-l", str(next(tmp_path.glob(".out.old-*/mnt"), out / "mnt"))], check=False)

@@ -9,8 +9,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from prune_heads.console import warn
 from prune_heads.errors import DiskFull, UserError, is_disk_full
-from prune_heads.io.files import current_umask, hidden_name, write_text
+from prune_heads.io.files import current_umask, hidden_name, remove_tree, write_text
 
 
 def cache_entries(directory: Path) -> list[Path]:
@@ -128,7 +129,10 @@ class StagedDirectory:
                 os.chmod(f, 0o666 & ~mask)
         os.replace(self.path, self.out)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            error = remove_tree(old)
+            if error is not None:
+                warn(f"the previous {self.out.name} was replaced, but part of it could not be removed ({error}); it is "
+                     f"kept as {old}: remove it yourself")
         return self.out
 
     def keep_for_resume(self) -> None:

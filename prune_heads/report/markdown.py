@@ -19,6 +19,7 @@ def code(value: object) -> str:
 def plain(value: object) -> str:
     """A sentence that may hold a user's value, as Markdown text that renders as written: line breaks and control
     characters become spaces, and every character Markdown or HTML reads as markup is backslash-escaped (a ``|``
-    too, so a table cell stays one cell; ``$``, which GitHub and the Hub read as math; ``&``, an HTML entity's start)."""
+    too, so a table cell stays one cell; ``$``, which GitHub and the Hub read as math; ``&``, which starts an HTML
+    entity)."""
     text = re.sub(r"[\x00-\x1f\x7f\u2028\u2029]", " ", str(value))
     return re.sub(r"([\\`*_{}\[\]()<>#+!|~$&-])", r"\\\1", text)
