@@ -187,9 +187,7 @@ def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict
     kl_text, _ = kl_texts(run.work, run.settings, run.inputs)
     if kl_text is not None:
         damage = run.work.text_damage(kl_text, heads)
-        summary["kl_text"] = {"nats": round(float(damage.kl.mean()), 6),
-                              "token_agreement": round(float(damage.agreement.mean()), 6),
-                              "same_generation": round(float(damage.same.mean()), 6), "source": kl_text.source}
+        summary["kl_text"] = {**damage.means(), "source": kl_text.source}
     return warn_chance(baseline, task=run.settings.task)
 
 

@@ -191,7 +191,7 @@ def test_eval_on_piqa_with_ablation_reports_kl_and_agreement(model_dir, tmp_path
     rows = [json.loads(x) for x in (tmp_path / "ev" / "piqa.jsonl").read_text().splitlines()]
     assert summary["task"] == "piqa" and summary["metric"] == "acc_norm" and len(rows) == 2
     assert summary["accuracy"]["chance"] == 0.5 and len(rows[0]["loglik"]) == 2
-    assert summary["kl_answer_nats"] >= 0 and 0 <= summary["agreement"] <= 1 and summary["kl_text"]["nats"] > 0
+    assert summary["kl_answer_nats"] >= 0 and 0 <= summary["agreement"] <= 1 and summary["kl_text"]["kl_text_nats"] > 0
 
 
 def test_main_command_with_a_next_token_kl_budget_and_contradictions(model_dir, tmp_path, capsys):

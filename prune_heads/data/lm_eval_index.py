@@ -153,22 +153,30 @@ def task_files(spec: LmEvalSpec) -> tuple[str, ...]:
 
 
 def _yaml_chain(path: Path, depth: int = 0) -> set[Path]:
-    """``path`` and the YAMLs it includes, transitively (lm-eval resolves ``include`` against the file's directory)."""
+    """``path`` and the YAMLs it includes, transitively; what cannot be read ends its chain (``_includes`` says why)."""
     import yaml
 
     found = {path.resolve()}
     if depth > 32 or not path.is_file():
         return found
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_ignoring_tags())
+        targets = _included(path)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return found
-    include = raw.get("include") if isinstance(raw, dict) else None
-    for item in ([include] if isinstance(include, str) else include or []):
-        if isinstance(item, str):
-            target = Path(item) if Path(item).is_absolute() else path.parent / item
-            found |= _yaml_chain(target, depth + 1)
+    for target in targets:
+        found |= _yaml_chain(target, depth + 1)
     return found
+
+
+def _included(path: Path) -> list[Path]:
+    """The YAMLs ``path`` names in ``include`` (lm-eval resolves them against the file's directory); raises what
+    reading it raises."""
+    import yaml
+
+    raw = yaml.load(path.read_bytes().decode("utf-8"), Loader=_ignoring_tags())
+    include = raw.get("include") if isinstance(raw, dict) else None
+    return [Path(item) if Path(item).is_absolute() else path.parent / item
+            for item in ([include] if isinstance(include, str) else include or []) if isinstance(item, str)]
 
 
 def _ignoring_tags():
@@ -272,17 +280,13 @@ def unreadable_yaml(include: str | None) -> tuple[str, str] | None:
 
 def _includes(path: Path, chain: tuple[Path, ...]) -> None:
     """Read ``path`` and, transitively, the YAMLs it includes: raises on the first that cannot be read."""
-    import yaml
-
     if path.resolve() in chain:
         raise ValueError(f"its include comes back to {path.name} (a cycle)")
     if not path.is_file():
         raise ValueError(f"it includes {path}, which does not exist")
-    raw = yaml.load(path.read_bytes().decode("utf-8"), Loader=_ignoring_tags())
-    include = raw.get("include") if isinstance(raw, dict) else None
-    for item in ([include] if isinstance(include, str) else include or []):
-        if isinstance(item, str):
-            _includes(Path(item) if Path(item).is_absolute() else path.parent / item, (*chain, path.resolve()))
+    for target in _included(path):
+        _includes(target, (*chain, path.resolve()))
+
 
 MAX_GEN_TOKS = 1 << 16  # more new tokens than any context prune-heads evaluates holds
 
