@@ -34,10 +34,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "real_dtype_measurement: let --dtype auto measure this CPU")
 
 
+def _cost(item) -> tuple:
+    """Longest first: the embedded model's runs (by the processes each runs at once), then the other slow tests."""
+    embedded = item.get_closest_marker("embedded")
+    return (-(embedded.kwargs.get("processes", 1) if embedded else 0), item.get_closest_marker("slow") is None)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first: pytest-xdist hands tests out in turn as workers free up, so the longest start at once,
-    one per worker, and the short ones fill in around them (the run ends when its longest test does, not later)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest tests first, one per worker. pytest-xdist (pyproject's addopts: ``--maxschedchunk 1``) hands each
+    worker two tests to start with and one more as each finishes: so each of the first few long tests is paired with
+    a short one, and the next long test starts on another worker at once instead of queueing behind the first. The
+    run ends when its longest chain does, not later."""
+    items.sort(key=_cost)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        longest = [i for i in items[:workers] if _cost(i)[0] < 0]
+        short = [i for i in reversed(items) if _cost(i) == (0, True)][:len(longest)]
+        rest = [i for i in items if i not in longest and i not in short]
+        items[:] = [x for pair in zip(longest, short) for x in pair] + rest
 
 
 @pytest.fixture

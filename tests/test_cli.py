@@ -180,6 +180,7 @@ def _umask():
     return m
 
 
+@pytest.mark.embedded
 @pytest.mark.slow
 def test_real_smollm2_fixed_heads_export_reload_compare(tmp_path):
     """The real SmolLM2 (GGUF, dequantised): prune a fixed head set, export, reload with stock transformers, compare."""

@@ -166,6 +166,7 @@ def test_a_gguf_that_does_not_match_leaves_nothing(tmp_path, capsys, monkeypatch
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.embedded
 @pytest.mark.slow
 @needs_llama
 def test_the_embedded_gguf_goes_in_and_a_smaller_gguf_with_its_tokenizer_comes_out(tmp_path, capsys):
@@ -190,6 +191,7 @@ def test_the_embedded_gguf_goes_in_and_a_smaller_gguf_with_its_tokenizer_comes_o
 HELD_OUT = {"0": list(range(9)), "5": [3, 4, 5], "10": [0, 3, 6], "20": [1, 4, 7]}
 
 
+@pytest.mark.embedded
 @pytest.mark.slow
 @needs_llama
 @pytest.mark.parametrize("kind", ["f32", "f16"])
@@ -210,6 +212,7 @@ def test_the_held_out_shape_is_accepted_with_a_tolerance_from_its_masked_twin(ki
     assert "from the masked twin's" in err
 
 
+@pytest.mark.embedded
 @pytest.mark.slow
 @needs_llama
 def test_a_wrong_slice_of_the_held_out_shape_is_still_refused(tmp_path, capsys, monkeypatch):

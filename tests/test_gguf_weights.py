@@ -35,6 +35,7 @@ def _assert_same_weights(spec: str, dtype: torch.dtype) -> None:
     assert all(t.dtype == dtype for t in ours.values() if t.is_floating_point())
 
 
+@pytest.mark.embedded
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_embedded_gguf_loads_exactly_as_transformers_loads_it(dtype):
@@ -69,6 +70,7 @@ def test_the_header_is_read_without_the_tensor_data():
         assert e.shape == tuple(int(d) for d in reversed(t.shape))
 
 
+@pytest.mark.embedded
 @pytest.mark.slow
 def test_loading_the_embedded_gguf_peaks_near_its_weights():
     """transformers' own loader peaks at 2.2x the bf16 weights above the process's baseline; tensor by tensor

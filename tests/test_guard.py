@@ -281,6 +281,7 @@ def test_bad_guard_flags_are_one_line_errors(model_dir, tmp_path, capsys, flags,
 # -- the embedded model ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.embedded
 @pytest.mark.slow
 def test_zeroing_the_heads_the_probes_find_retrieving_is_refused_on_the_embedded_model():
     """SmolLM2-135M retrieves a key from 256 tokens of filler; the 13 heads that attend most from the question to the

@@ -201,6 +201,7 @@ def test_refusals_under_torchrun(setup, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.embedded(processes=3)  # one run beside a two-process one
 @pytest.mark.slow
 def test_the_readme_command_on_the_embedded_model_in_one_process_and_in_two(tmp_path):
     """The README's main command on the embedded SmolLM2-135M wheel (GGUF; 30 layers x 9 heads, 3 KV heads) on a small
