@@ -20,6 +20,18 @@ def interrupted() -> None:
     sys.exit(130)
 
 
+def left_behind() -> None:
+    """A warning for each previous --out that --force replaced but could not remove entirely (a mount point in it, a
+    read-only file system): where it is kept, so nothing stays behind without a word."""
+    from prune_heads.console import warn
+    from prune_heads.io.staging import StagedDirectory
+
+    for out, old, error in StagedDirectory.left_behind:
+        warn(f"the previous {out.name} was replaced, but part of it could not be removed ({error}); it is kept as "
+             f"{old}: remove it yourself")
+    StagedDirectory.left_behind.clear()
+
+
 def written_directory(error: BaseException) -> Path:
     """The directory a failed write was writing to: the file the error names, else the run's --out."""
     from prune_heads.io.staging import StagedDirectory

@@ -20,7 +20,15 @@ from prune_heads.heads import SCORE_KEYS
 from prune_heads.io.diskspace import failed_for_space
 from prune_heads.search.budget import METRIC_CHOICES
 from prune_heads_cli.console import learn_flags, show_core_messages, worded
-from prune_heads_cli.edge import disk_full, interrupted, path_problem, terminate, unexpected, written_directory
+from prune_heads_cli.edge import (
+    disk_full,
+    interrupted,
+    left_behind,
+    path_problem,
+    terminate,
+    unexpected,
+    written_directory,
+)
 from prune_heads_cli.memory import install_policy
 from prune_heads_cli.options import (
     STUDY_PROBE_PROMPTS,
@@ -284,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, terminate)
     try:
         cli.main(args=argv, prog_name="prune-heads", standalone_mode=False)
+        left_behind()
     except DiskFull as e:
         disk_full(e.directory, e.what, e.needed)
     except UserError as e:

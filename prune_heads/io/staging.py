@@ -9,7 +9,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from prune_heads.console import warn
 from prune_heads.errors import DiskFull, UserError, is_disk_full
 from prune_heads.io.files import current_umask, hidden_name, remove_tree, write_text
 
@@ -33,6 +32,7 @@ class StagedDirectory:
 
     current: "StagedDirectory | None" = None
     last: "StagedDirectory | None" = None  # the latest one opened, still known after a failure released it
+    left_behind: list = []  # (out, the previous out moved aside, why part of it stays) of each --force replacement
 
     def __init__(self, out: str | os.PathLike, force: bool, resume: bool | None = False, inputs: tuple | list = (),
                  identity: dict | None = None):
@@ -130,9 +130,8 @@ class StagedDirectory:
         os.replace(self.path, self.out)
         if old is not None:
             error = remove_tree(old)
-            if error is not None:
-                warn(f"the previous {self.out.name} was replaced, but part of it could not be removed ({error}); it is "
-                     f"kept as {old}: remove it yourself")
+            if error is not None:  # said once the command is done (prune_heads_cli/edge.py)
+                StagedDirectory.left_behind.append((self.out, old, error))
         return self.out
 
     def keep_for_resume(self) -> None:
