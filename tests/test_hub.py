@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import cli_subprocess
 from hub_server import HubServer
-from tiny import tiny_model
+from tiny import run_cli, tiny_model
 
 from exporters.export import ExportOptions, export_pruned
 from exporters.manifest import MANIFEST
@@ -106,18 +106,19 @@ def test_main_command_push_to(hub, tmp_path):
 
 
 @pytest.mark.slow
-def test_push_makes_an_existing_public_repo_private_when_asked_and_words_bad_ids(export_dir, hub):
+def test_push_makes_an_existing_public_repo_private_when_asked_and_words_bad_ids(export_dir, hub, capsys):
     server, env = hub
     assert cli_subprocess(["push", export_dir, "--repo-id", "user/pub"], env).returncode == 0
     assert server.state.repos["user/pub"]["private"] is False
     proc = cli_subprocess(["push", export_dir, "--repo-id", "user/pub", "--private", "--force"], env)
     assert proc.returncode == 0, proc.stderr
     assert "was public; made it private" in proc.stderr and server.state.repos["user/pub"]["private"] is True
+    # Refused before any request: in this process (no Hub endpoint needed; nothing may reach one).
     for repo_id in ("user/na me", "a/b/c", "user/x--y", "-user/x"):
-        proc = cli_subprocess(["push", export_dir, "--repo-id", repo_id], env)
-        assert proc.returncode == 2 and "is not a Hub repo id" in proc.stderr and "network" not in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+        code, _, err = run_cli(["push", export_dir, "--repo-id", repo_id], capsys)
+        assert code == 2 and "is not a Hub repo id" in err and "network" not in err
+        assert len(err.strip().splitlines()) == 1
     for branch in ("a..b", "with space", "x.lock", "-x"):
-        proc = cli_subprocess(["push", export_dir, "--repo-id", "user/b", "--branch", branch], env)
-        assert proc.returncode == 2 and "is not a valid branch name" in proc.stderr, proc.stderr
+        code, _, err = run_cli(["push", export_dir, "--repo-id", "user/b", "--branch", branch], capsys)
+        assert code == 2 and "is not a valid branch name" in err, err
     assert "user/b" not in server.state.repos
