@@ -54,16 +54,26 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [x for pair in zip(longest, short) for x in pair] + rest
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real file system of 40 MiB (tmpfs): writes past it fail with ENOSPC as on a full disk."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
+def _tmpfs(directory, options: str, what: str):
+    """A tmpfs mounted on ``directory`` with ``options`` (root only: CI runs as root and may not skip), unmounted after."""
+    directory.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
                                                    capture_output=True).returncode == 0
     if not mounted:
         if os.environ.get("CI"):
-            pytest.fail("CI runs as root and must be able to mount a tmpfs for the full-disk tests")
+            pytest.fail(f"CI runs as root and must be able to mount a tmpfs for {what}")
         pytest.skip("mounting a tmpfs needs root")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+    yield directory
+    subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of 40 MiB (tmpfs): writes past it fail with ENOSPC as on a full disk."""
+    yield from _tmpfs(tmp_path / "disk", "size=40m", "the full-disk tests")
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    """A file system mounted read-only: nothing can be written there, by root either."""
+    yield from _tmpfs(tmp_path / "read-only", "ro,size=1m", "the read-only tests")

@@ -744,26 +744,13 @@ def test_evals_cache_is_data_a_pickle_in_it_never_runs_and_a_damaged_one_is_reco
     assert code == 0 and "is damaged" in err and (out / "lm-eval_ph_gen.jsonl").read_text() == first, err
 
 
-def test_a_request_cache_where_nothing_can_be_written_is_one_line(tmp_path):
+def test_a_request_cache_where_nothing_can_be_written_is_one_line(read_only_disk):
     """lm-eval's request cache in a directory that cannot be written (a file system mounted read-only: root, as CI
     runs, may write anywhere else) is refused in one line naming the directory, not an sqlite3 traceback."""
-    import subprocess
-
     from prune_heads.eval.lm_eval_bridge import data_table
 
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(cache)],
-                                                   capture_output=True).returncode == 0
-    if not mounted:
-        if os.environ.get("CI"):
-            pytest.fail("CI runs as root and must be able to mount a read-only tmpfs")
-        pytest.skip("mounting a read-only file system needs root")
-    try:
-        with pytest.raises(UserError, match=f"cannot be written \\(Read-only file system\\); make {cache} writable"):
-            data_table(cache / "lm-eval-x.sqlite", "unnamed")
-    finally:
-        subprocess.run(["umount", "-l", str(cache)], check=False)
+    with pytest.raises(UserError, match=f"cannot be written \\(Read-only file system\\); make {read_only_disk} writable"):
+        data_table(read_only_disk / "lm-eval-x.sqlite", "unnamed")
 
 
 def test_a_changed_generation_config_is_not_served_old_generations(tmp_path, model_dir, capsys):
