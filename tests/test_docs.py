@@ -33,6 +33,7 @@ def _every_option() -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None and not os.environ.get("CI"),
                     reason="the docs extra is not installed (pip install -e '.[docs]')")
 def test_the_site_builds_strict_and_its_cli_reference_holds_every_option(tmp_path):

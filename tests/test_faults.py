@@ -164,6 +164,7 @@ def test_resume_refuses_the_finished_export_of_another_model(model_dir, other_mo
     assert code == 0 and _family(out) == "qwen2", err
 
 
+@pytest.mark.slow
 def test_unfinished_work_of_another_model_is_not_resumed(model_dir, other_model, mmlu, tmp_path, capsys):
     out = tmp_path / "pruned"
     partial = tmp_path / ".pruned.partial"

@@ -36,7 +36,8 @@ def _one_line(code, err, *expected):
         assert text in errors[0], errors[0]
 
 
-@pytest.mark.parametrize("task", ["lm-eval:ph_gen", "lm-eval:ph_mc", "lm-eval:ph_rolling", "mmlu"])
+@pytest.mark.parametrize("task", [pytest.param("lm-eval:ph_gen", marks=pytest.mark.slow), "lm-eval:ph_mc",
+                                  pytest.param("lm-eval:ph_rolling", marks=pytest.mark.slow), "mmlu"])
 def test_eval_refuses_nan_logits_on_every_kind_of_task(overflowing, tmp_path, capsys, task):
     mmlu = cais_file(tmp_path)
     code, _, err = run_cli(["eval", "--model", overflowing, "--task", task, "--task-limit", "4", "--mmlu", mmlu,

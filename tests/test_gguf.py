@@ -98,7 +98,7 @@ UNEVEN = {"0": [0, 1, 2, 3, 4, 5], "1": [0, 3], "3": [1, 2, 4, 5]}  # layer 0 em
 
 
 @needs_llama
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_uneven_per_layer_heads_run_in_llama_cpp_as_deci(family, tmp_path, capsys):
     model_dir = save_tiny(tmp_path / "model", family)
     out, err = _export(model_dir, tmp_path, capsys, UNEVEN, "--format", "both", "--layout", "per-layer",

@@ -183,6 +183,7 @@ def _index(directory, shard):
         {"metadata": {}, "weight_map": dict.fromkeys(state, shard)}))
 
 
+@pytest.mark.slow
 def test_a_single_file_beside_a_stale_index_is_what_loads_and_streams(tmp_path, model_dir, capsys):
     m = _copy(model_dir, tmp_path / "m")
     _index(m, "model-00001-of-00002.safetensors")  # shards that are not there

@@ -101,6 +101,7 @@ print(calls, type(lm.model).__name__, lm.tokenizer is not None)
 """
 
 
+@pytest.mark.slow
 def test_weights_are_read_in_one_step_after_the_tokenizer_and_the_modelling_code(model_dir):
     """``loading.load_weights`` is where loading reads weights, and only there (benchmarks/bench_memory.py takes its
     baseline at it): in a fresh process, the architecture's modelling module is imported before it runs."""
