@@ -36,7 +36,8 @@ def _one_line(code, err, *expected):
         assert text in errors[0], errors[0]
 
 
-@pytest.mark.parametrize("task", [pytest.param("lm-eval:ph_gen", marks=pytest.mark.slow), "lm-eval:ph_mc",
+@pytest.mark.parametrize("task", [pytest.param("lm-eval:ph_gen", marks=pytest.mark.slow),
+                                  pytest.param("lm-eval:ph_mc", marks=pytest.mark.slow),
                                   pytest.param("lm-eval:ph_rolling", marks=pytest.mark.slow), "mmlu"])
 def test_eval_refuses_nan_logits_on_every_kind_of_task(overflowing, tmp_path, capsys, task):
     mmlu = cais_file(tmp_path)
@@ -46,6 +47,7 @@ def test_eval_refuses_nan_logits_on_every_kind_of_task(overflowing, tmp_path, ca
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [["--metric", "token-agreement", "--budget", "5pt", "--kl-text", "lm-eval:ph_gen"],
                                     ["--metric", "same-generation", "--budget", "10pt", "--kl-text",
                                      "lm-eval:ph_gen"],

@@ -178,6 +178,7 @@ def _failing_first(monkeypatch, failures: int | None):
     monkeypatch.setattr(guard, "compare", compare)
 
 
+@pytest.mark.slow
 def test_the_guard_refuses_a_point_and_confirmation_steps_back(model_dir, tmp_path, capsys, monkeypatch):
     _failing_first(monkeypatch, 1)
     report, err = _run(model_dir, tmp_path, capsys)

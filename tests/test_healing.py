@@ -100,6 +100,7 @@ def test_main_command_heals_the_export_and_it_reloads(model_dir, tmp_path, capsy
         assert not torch.allclose(model(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_heal_in_search_judges_points_after_healing(model_dir, tmp_path, capsys):
     mmlu = cais_file(tmp_path, n_subjects=2, per_subject=14)
     out = tmp_path / "his"

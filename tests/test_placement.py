@@ -32,6 +32,7 @@ def _main(model_dir, tmp_path, capsys, name, *extra, code=0):
     return (json.loads((tmp_path / name / "report.json").read_text()) if code == 0 else None), err
 
 
+@pytest.mark.slow
 def test_disk_offload_gives_the_same_search(model_dir, tmp_path, capsys):
     plain, _ = _main(model_dir, tmp_path, capsys, "plain", "--no-export")
     mapped, _ = _main(model_dir, tmp_path, capsys, "mapped", "--no-export", "--device-map", _device_map(tmp_path))

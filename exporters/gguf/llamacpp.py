@@ -32,16 +32,19 @@ def version() -> str:
 
 
 def load(path: Path, n_ctx: int, flash_attn: bool = False, f32_cache: bool = False):
-    """A llama.cpp context on ``path`` returning logits at every position, on this machine's cores. Flash attention
-    keeps a KV cache whose layers differ in width unpadded (the speed runs use it); ``f32_cache`` keeps K and V in
-    float32 instead of llama.cpp's default f16 (the logit checks use it: they test the file, not the cache type)."""
+    """A llama.cpp context on ``path`` returning logits at every position, on as many threads as torch computes on in
+    this process (its cores, or what OMP_NUM_THREADS allows: llama.cpp's threads wait spinning, so more threads than
+    the process's share of the cores slow every one of them down many times). Flash attention keeps a KV cache whose
+    layers differ in width unpadded (the speed runs use it); ``f32_cache`` keeps K and V in float32 instead of
+    llama.cpp's default f16 (the logit checks use it: they test the file, not the cache type)."""
+    import torch
     from llama_cpp import Llama
 
     cache = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_cache else {}
+    threads = max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
     return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, seed=0, flash_attn=flash_attn,
-                 **cache,
-                 verbose=bool(os.environ.get("PRUNE_HEADS_LLAMA_VERBOSE")), n_threads=os.cpu_count(),
-                 n_threads_batch=os.cpu_count())
+                 **cache, verbose=bool(os.environ.get("PRUNE_HEADS_LLAMA_VERBOSE")), n_threads=threads,
+                 n_threads_batch=threads)
 
 
 def logits(llm, prompts: list[list[int]]) -> np.ndarray:
