@@ -40,15 +40,14 @@ def paired(base: list[dict], ablated: list[dict], metric: str) -> dict:
     points for a metric between 0 and 1 (accuracy, exact match), else in the metric's own unit (``paired_as``)."""
     a = torch.tensor([document_value(s, metric) for s in base], dtype=torch.float64)
     b = torch.tensor([document_value(s, metric) for s in ablated], dtype=torch.float64)
-    unit, what = paired_as(base[0], metric)
+    unit = paired_as(base[0], metric)[0]
     share = not unit and bool(((a >= 0) & (a <= 1) & (b >= 0) & (b <= 1)).all())
     scale = 100.0 if share else 1.0
     d = (b - a) * scale
     n = d.numel()
     se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
     delta = PairedDelta(float(d.mean()), float(d.mean()) - 1.96 * se, float(d.mean()) + 1.96 * se, n)
-    return {"metric": metric, "unit": "points" if share else unit, **({"as": what} if what else {}),
-            "unablated": round(float(a.mean()), 6),
+    return {"metric": metric, "unit": "points" if share else unit, "unablated": round(float(a.mean()), 6),
             "ablated": round(float(b.mean()), 6), "delta": round(delta.delta, 4),
             "ci95": [round(delta.ci_low, 4), round(delta.ci_high, 4)], "n": n}
 

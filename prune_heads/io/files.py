@@ -113,26 +113,26 @@ def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
 
 
 def remove_tree(path: str | os.PathLike) -> OSError | None:
-    """Remove a directory tree, read-only parts included (a directory without write permission is made writable and
-    the removal tried again, as a user would with ``chmod -R u+w``): None once it is gone, else the error that kept
-    part of it (a mount point, a file system mounted read-only, a file that is not the user's)."""
+    """Remove a directory tree, read-only parts included (a name that cannot be removed for its directory's missing
+    write permission is removed once that is granted, as a user would with ``chmod -R u+w``): None once it is gone,
+    else the error that kept part of it (a mount point, a file system mounted read-only, a file that is not the
+    user's)."""
     import shutil
     import stat
 
     failed: list[OSError] = []
 
     def retry(function, name, info):
+        if function not in (os.unlink, os.rmdir):  # opening or listing a directory: nothing a permission bit mends
+            failed.append(info[1])
+            return
         parent = os.path.dirname(name)
         try:
             os.chmod(parent, os.stat(parent).st_mode | stat.S_IWUSR | stat.S_IXUSR)
-            if function in (os.rmdir, os.unlink) or os.path.isdir(name):
-                os.chmod(name, os.lstat(name).st_mode | stat.S_IWUSR | stat.S_IXUSR | stat.S_IRUSR)
             function(name)
         except OSError as e:
             failed.append(e)
 
     if os.path.lexists(path):
         shutil.rmtree(path, onerror=retry)
-    if failed and os.path.lexists(path):
-        return failed[0]
-    return None
+    return failed[0] if failed else None
