@@ -234,8 +234,8 @@ def _options(s: Settings, run: Run, shipping: bool = True) -> ExportOptions:
     if shipping and s.device_map:
         placement = {"device_map": device_map_option(s.device_map), "max_memory": max_memory_option(s.max_memory),
                      "offload_folder": str(run.staged.offload_dir)}
-    return ExportOptions(s.layout, s.max_shard_size, formats, s.gguf_type, s.progress, True, shipping, placement,
-                         vllm_python=s.vllm_python)
+    return ExportOptions(s.layout, s.max_shard_size, formats, s.gguf_type, s.progress, s.measure_speed, shipping,
+                         placement, vllm_python=s.vllm_python)
 
 
 def _export_sliced_adapter(run: Run, verifier: Verifier, plan, ablated: EvalResult) -> dict:

@@ -124,6 +124,7 @@ def cli(ctx: click.Context, **kw):
     push_to, private = push_flags(kw.pop("push_to"), kw.pop("private"), kw["no_export"])
     main_flags = {name: kw.pop(name) for name in MAIN_FLAGS}
     main_flags["guard"] = guard_flag(kw.pop("guard"), kw.pop("no_guard"))
+    main_flags["measure_speed"] = not kw.pop("no_speed")
     main_flags.update(export=not kw.pop("no_export"), lora_adapter=kw.pop("adapter"))
     settings, inputs = prepare(kw, True, **main_flags)
     ranks = launched_ranks()
@@ -170,13 +171,14 @@ def eval_cmd(ablate, probes, guard_texts, probe_max_length, **kw):
               help="heads.json: {layer: [head, ...]} to remove.")
 @click.option("--no-mmlu", "--no-task-eval", "no_task_eval", is_flag=True,
               help="Verify logits only, skip the task evaluations.")
-def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, vllm_python, no_task_eval, **kw):
+def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, vllm_python, no_speed, no_task_eval,
+               **kw):
     """Remove a given head set (no search), write the smaller model to --out and verify it."""
     from prune_heads_cli.commands import run_export
 
     heads = load_heads(heads_file, "removed")
     settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size, export_format=export_format,
-                               gguf_type=gguf_type, vllm_python=vllm_python)
+                               gguf_type=gguf_type, vllm_python=vllm_python, measure_speed=not no_speed)
     check_heads(heads, inputs.config)
     run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval, heads_file)
 

@@ -119,6 +119,9 @@ def common_options(f):
 
 
 def export_options(f):
+    f = click.option("--no-speed", "no_speed", is_flag=True, help="Do not time the export against the original "
+                     "(transformers, llama.cpp, vLLM; about a minute on a small model on 2 cores): every check of what "
+                     "it computes still runs.")(f)
     f = click.option("--vllm-python", type=click.Path(dir_okay=False, exists=True), envvar="PRUNE_HEADS_VLLM_PYTHON",
                      help="The python of an environment with vLLM (and prune-heads, --no-deps): the export is run "
                      "there and compared with the verified model, and timed against the original. Default: "

@@ -18,7 +18,7 @@ def _run(model_dir, tmp_path, capsys, *extra, code=0):
     out = tmp_path / "run"
     mmlu = cais_file(tmp_path, n_subjects=2, per_subject=14)  # 9 questions per subject after 5 exemplars
     got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
-                           "--dtype", "float32", "--no-progress", *extra], capsys)
+                           "--dtype", "float32", "--no-progress", "--no-speed", *extra], capsys)
     assert got == code, err
     return (json.loads((out / "report.json").read_text()) if code == 0 else None), err
 

@@ -163,8 +163,10 @@ def test_real_shaped_uneven_selections_export_per_layer_and_load_without_remote_
 
 def test_without_vllm_the_export_ships_marked_not_verified_in_vllm_with_the_install_hint(tmp_path, monkeypatch, caplog):
     """No vLLM found (none named, none in this Python): written, recorded and carded as not run in vLLM, the hint
-    printed; a per-layer OLMo-2 export (no vLLM class the plugin builds) says so without starting vLLM."""
+    printed; a per-layer OLMo-2 export (no vLLM class the plugin builds) says so without starting vLLM; a named Python
+    that cannot run vLLM is recorded as such."""
     import logging
+    import sys
 
     import exporters.runtimes.vllm_check as vllm_check
 
@@ -179,11 +181,23 @@ def test_without_vllm_the_export_ships_marked_not_verified_in_vllm_with_the_inst
     assert "Not run in vLLM when written (no vLLM found" in (tmp_path / "README.md").read_text()
     assert "not verified in vLLM; install vLLM in an environment of its own" in caplog.text
 
+    found = vllm_check.vllm_python
     monkeypatch.setattr(vllm_check, "vllm_python", lambda named=None: "/path/to/vllm-env/bin/python")
     (tmp_path / "olmo2").mkdir()
     result = export_pruned(tiny_model("olmo2"), uneven_heads(4, 2), tmp_path / "olmo2",
                            ExportOptions(layout="per-layer", progress=False, measure_speed=False))
     assert result.vllm == {"verified": False, "why_not": "vLLM has no olmo2 class the plugin builds per layer"}
+
+    # A Python named for vLLM that cannot run it (this one has no vLLM): the one worker process fails, the export
+    # ships marked not verified, naming both models it was to run and vLLM's last words.
+    monkeypatch.setattr(vllm_check, "vllm_python", found)
+    (tmp_path / "broken").mkdir()
+    result = export_pruned(lm, HeadSet.of({0: [1]}), tmp_path / "broken",
+                           ExportOptions(progress=False, measure_speed=False, vllm_python=sys.executable))
+    why = result.vllm["why_not"]
+    assert not result.vllm["verified"] and why.startswith("vLLM could not run ") and " and " in why
+    assert "No module named 'vllm'" in why and read_manifest(tmp_path / "broken")["vllm"] == result.vllm
+    assert "the export is written, not verified in vLLM" in caplog.text
 
 
 @pytest.mark.slow

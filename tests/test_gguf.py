@@ -56,12 +56,13 @@ def test_unknown_pre_tokenizer_is_refused():
         pre_tokenizer_name({"pre_tokenizer": {"type": "Metaspace"}})
 
 
-def _export(model_dir, tmp_path, capsys, heads: dict, *extra, code=0, name="out"):
+def _export(model_dir, tmp_path, capsys, heads: dict, *extra, code=0, name="out", speed=False):
+    """``prune-heads export`` of ``heads``; timed against the original only where a test reads the speed."""
     heads_file = tmp_path / f"{name}-heads.json"
     heads_file.write_text(json.dumps(heads))
     out = tmp_path / name
     got, _, err = run_cli(["export", "--model", model_dir, "--heads", heads_file, "--out", out, "--no-task-eval",
-                           "--dtype", "float32", "--no-progress", *extra], capsys)
+                           "--dtype", "float32", "--no-progress", *extra, *([] if speed else ["--no-speed"])], capsys)
     assert got == code, err
     return out, err
 
@@ -102,7 +103,7 @@ UNEVEN = {"0": [0, 1, 2, 3, 4, 5], "1": [0, 3], "3": [1, 2, 4, 5]}  # layer 0 em
 def test_uneven_per_layer_heads_run_in_llama_cpp_as_deci(family, tmp_path, capsys):
     model_dir = save_tiny(tmp_path / "model", family)
     out, err = _export(model_dir, tmp_path, capsys, UNEVEN, "--format", "both", "--layout", "per-layer",
-                       "--gguf-type", "f32")
+                       "--gguf-type", "f32", speed=True)
     meta = json.loads((out / "prune_heads.json").read_text())
     g = meta["gguf"]
     assert g["architecture"] == "deci" and g["verified_in_llama_cpp"] and g["zero_head_in_layer_0"]
@@ -125,6 +126,7 @@ def test_uniform_gguf_alone(family, arch, kind, atol, tmp_path, capsys):
     assert meta["gguf"]["architecture"] == arch and meta["gguf"]["head_counts"] == [4] * 4
     assert meta["gguf"]["tensor_type"] == kind and kind.upper() in meta["gguf"]["tensors"]
     assert not list(out.glob("*.safetensors")) and meta["formats"] == ["gguf"] and meta["verified"]
+    assert meta["speed"] is None and meta["gguf"]["speed"] is None  # --no-speed: checked, not timed
     max_diff = _llama_cpp_logit_diff(family, out, heads)
     assert max_diff < atol
 

@@ -51,7 +51,7 @@ def test_gguf_of_every_family_loads_exactly_as_transformers_loads_it(family, kin
     heads.write_text(json.dumps({str(i): [0, 3] for i in range(4)}))
     out = tmp_path / "out"
     code, _, err = run_cli(["export", "--model", model_dir, "--heads", heads, "--out", out, "--no-task-eval",
-                            "--dtype", "float32", "--no-progress", "--format", "gguf", "--layout", "uniform",
+                            "--dtype", "float32", "--no-progress", "--no-speed", "--format", "gguf", "--layout", "uniform",
                             "--gguf-type", kind], capsys)
     assert code == 0, err
     _assert_same_weights(str(out / "model.gguf"), torch.float32)

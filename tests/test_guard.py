@@ -156,7 +156,7 @@ def _run(model_dir, tmp_path, capsys, *extra, code=0):
     out = tmp_path / "run"
     mmlu = cais_file(tmp_path, n_subjects=2, per_subject=14)
     got, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
-                           "--dtype", "float32", "--no-progress", "--mmlu-per-subject", "3", "--budget", "100%",
+                           "--dtype", "float32", "--no-progress", "--no-speed", "--mmlu-per-subject", "3", "--budget", "100%",
                            *extra], capsys)
     assert got == code, err
     return (json.loads((out / "report.json").read_text()) if code == 0 else None), err

@@ -213,7 +213,7 @@ def test_the_readme_command_on_the_embedded_model_in_one_process_and_in_two(tmp_
     main command, under torchrun too, on tiny models."""
     pytest.importorskip("gguf")
     argv = ["--model", "smollm2-135m", "--mmlu-per-subject", "1", "--mmlu-subjects", "6",  # the recipe's budget
-            "--calibration-size", "6", "--no-progress", "--heal-steps", "2", "--no-guard",
+            "--calibration-size", "6", "--no-progress", "--no-speed", "--heal-steps", "2", "--no-guard",
             "--dtype", "float32"]  # the same in both runs (auto measures the CPU in each)
     runs = {"one": single([*argv, "--out", tmp_path / "one"]), "two": torchrun([*argv, "--out", tmp_path / "two"])}
     errs = {}

@@ -106,7 +106,7 @@ def _run(model_dir, tmp_path, capsys, *extra):
     mmlu = cais_file(tmp_path, n_subjects=2, per_subject=9)
     budget = [] if "--budget" in extra else ["--budget", "100%"]
     code, _, err = run_cli(["--model", model_dir, "--mmlu", mmlu, "--out", out, "--calibration-size", "4",
-                            "--dtype", "float32", "--no-progress", *budget, *extra], capsys)
+                            "--dtype", "float32", "--no-progress", "--no-speed", *budget, *extra], capsys)
     assert code == 0, err
     return out, json.loads((out / "report.json").read_text())
 

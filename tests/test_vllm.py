@@ -119,7 +119,7 @@ def test_an_export_vllm_computes_differently_is_refused(tmp_path, monkeypatch):
         _export(lm, heads, tmp_path, "uniform")
 
 
-@pytest.mark.embedded(processes=2)  # the original and the export, each a vLLM process
+@pytest.mark.embedded(processes=2)  # this one and the vLLM process that runs the original, then the export
 @pytest.mark.slow
 def test_the_embedded_smollm2_per_layer_export_runs_in_vllm_with_the_same_greedy_text(tmp_path):
     """The embedded SmolLM2-135M (dequantised float32): a per-layer export (layers 0-9 keep 6 of 9 query heads, layer

@@ -11,9 +11,9 @@ vLLM on a batch of prompts. A failed check is an error (the export never reaches
 run is recorded, and the export ships marked not verified in vLLM, as it does where no vLLM is found (the hint
 printed).
 
-vLLM pins its own transformers, so it usually lives in an environment of its own: each model runs in a Python that
-has vLLM (``vllm_worker.py``, one process per model, as vLLM is built to run, its engine in that process) and this
-side compares the numbers.
+vLLM pins its own transformers, so it usually lives in an environment of its own: the models run in a Python that
+has vLLM (``vllm_worker.py``: one process for the unpruned model and the export, one engine after the other, each in
+that process) and this side compares the numbers.
 """
 from __future__ import annotations
 
@@ -74,22 +74,25 @@ class VllmRequest:
     throughput: dict | None = None
 
 
-def run_in_vllm(python: str, model_dir: Path, request: VllmRequest, timeout: float = 900) -> dict:
-    """``vllm_worker.py`` on ``model_dir`` in ``python``: its result, or a UserError with the end of vLLM's output."""
+def run_in_vllm(python: str, model_dirs: tuple[Path, ...], request: VllmRequest, timeout: float = 900) -> list[dict]:
+    """``vllm_worker.py`` on each of ``model_dirs``, in order, in one ``python`` process: their results, or a UserError
+    with the end of vLLM's output."""
     with tempfile.TemporaryDirectory(prefix="prune-heads-vllm-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps({"model": str(model_dir), "prompts": [list(p) for p in request.prompts],
+        req.write_text(json.dumps({"models": [str(d) for d in model_dirs],
+                                   "prompts": [list(p) for p in request.prompts],
                                    "greedy_tokens": request.greedy_tokens, "dtype": request.dtype,
                                    "max_model_len": request.max_model_len, "throughput": request.throughput}))
         # The engine in the worker's own process (V1 otherwise spawns an engine-core process that imports vLLM again):
-        # the worker still runs one model and exits, and the engine starts in ~4 s instead of ~25 s on 2 cores.
+        # the engine starts in ~4 s instead of ~25 s on 2 cores, and the worker imports vLLM once for every model.
         env = {**os.environ, "VLLM_PLUGINS": "prune_heads", "VLLM_CONFIGURE_LOGGING": "0",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         done = subprocess.run([python, str(WORKER), str(req), str(res)], cwd=tmp, env=env, capture_output=True,
                               text=True, timeout=timeout)
         if done.returncode != 0 or not res.is_file():
+            names = " and ".join(str(d) for d in model_dirs)
             tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])
-            raise UserError(f"vLLM could not run {model_dir} (exit {done.returncode}): {tail[-400:]}")
+            raise UserError(f"vLLM could not run {names} (exit {done.returncode}): {tail[-400:]}")
         return json.loads(res.read_text())
 
 
@@ -200,8 +203,7 @@ class VllmCheck:
         export computes differently in vLLM."""
         say(f"running the unpruned model and the export in vLLM ({self.python})")
         try:
-            unpruned = run_in_vllm(self.python, self.original, self.request)
-            exported = run_in_vllm(self.python, out, self.request)
+            unpruned, exported = run_in_vllm(self.python, (self.original, out), self.request)
         except (UserError, subprocess.TimeoutExpired) as e:
             warn(f"{e}; the export is written, not verified in vLLM")
             return not_verified(str(e))

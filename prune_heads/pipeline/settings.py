@@ -74,6 +74,7 @@ class Settings:
     export_format: str = "safetensors"  # --format: safetensors | gguf | both
     gguf_type: str = "f16"  # --gguf-type: f32 | f16 | bf16 | q8_0
     vllm_python: str | None = None  # --vllm-python: the Python that runs the export in vLLM
+    measure_speed: bool = True  # time the export against the original (--no-speed: off)
     export: bool = True
     resume: bool = False
     lora_adapter: str | None = None  # --adapter (peft LoRA): verify base+adapter, prune the base, slice the adapter
