@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,6 +10,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # under another name, so no other export (in this process or a CLI subprocess) pays two vLLM engine starts.
 if "PRUNE_HEADS_VLLM_PYTHON" in os.environ:
     os.environ["PRUNE_HEADS_TEST_VLLM_PYTHON"] = os.environ.pop("PRUNE_HEADS_VLLM_PYTHON")
+
+# What prune-heads keeps between runs (a GGUF's conversion, models/gguf_cache.py) goes to one directory per test run,
+# made here in the controlling process before pytest-xdist starts its workers, which inherit it: the embedded model is
+# converted by its first load and read back by the others, and the user's own cache is neither read nor written.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["PRUNE_HEADS_CACHE_DIR"] = tempfile.mkdtemp(prefix="prune-heads-test-cache-")
 
 # Under pytest-xdist (pyproject's addopts: one worker per core), each worker computes on its share of the cores: N
 # workers each running torch on every core would fight over them. Set before torch loads; subprocesses inherit it.

