@@ -93,9 +93,9 @@ WEIGHTS_PROBE = """
 import sys
 from prune_heads.models import loading
 real, calls = loading.load_weights, []
-def recording(source, config, kwargs):
-    calls.append("transformers.models.llama.modeling_llama" in sys.modules)
-    return real(source, config, kwargs)
+def recording(source, config, kwargs, tokenizer=None):
+    calls.append("transformers.models.llama.modeling_llama" in sys.modules and tokenizer is not None)
+    return real(source, config, kwargs, tokenizer)
 loading.load_weights = recording
 lm = loading.load_model(sys.argv[1], dtype="float32", device="cpu")
 print(calls, type(lm.model).__name__, lm.tokenizer is not None)
