@@ -111,7 +111,7 @@ def test_every_layout_exports_and_reloads_with_the_same_logits(family, tmp_path)
     for layout in ("auto", "uniform", "per-layer", "masked"):
         out = tmp_path / layout
         out.mkdir()
-        result = export_pruned(lm, UNEVEN, out, ExportOptions(layout=layout, progress=False))
+        result = export_pruned(lm, UNEVEN, out, ExportOptions(layout=layout, progress=False, measure_speed=False))
         cfg = json.loads((out / "config.json").read_text())
         assert "quantization_config" not in cfg and "per_layer_config" not in cfg
         per_layer = result.choice.layout == "per-layer"
@@ -148,7 +148,7 @@ def test_real_shaped_uneven_selections_export_per_layer_and_load_without_remote_
     shape = REAL_SHAPES[family]
     lm = tiny_model(family, **shape)
     heads = uneven_heads(shape["num_attention_heads"], shape["num_key_value_heads"])
-    result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False))
+    result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False, measure_speed=False))
     assert result.choice.layout == "per-layer"
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == f"pruned_{family}" and cfg["per_layer_heads"][3] == [0, 0]
@@ -210,7 +210,7 @@ def test_a_per_layer_export_loads_with_remote_code_where_prune_heads_is_not_inst
     shape = REAL_SHAPES["gemma3_text"]
     lm = tiny_model("gemma3_text", **shape)
     (tmp_path / "out").mkdir()
-    result = export_pruned(lm, uneven_heads(4, 1), tmp_path / "out", ExportOptions(layout="per-layer", progress=False))
+    result = export_pruned(lm, uneven_heads(4, 1), tmp_path / "out", ExportOptions(layout="per-layer", progress=False, measure_speed=False))
     with ablate(lm, result.choice.plan):
         torch.save(logits(lm.model), tmp_path / "reference.pt")
     script = f"""
@@ -235,7 +235,7 @@ def test_llama_head_counts_llamaconfig_refuses_export_as_architecture_identical_
 
     lm = tiny_model("llama", hidden_size=90)  # 6 heads of 16 (explicit head_dim); 4 kept heads: 90 % 4 != 0
     heads = HeadSet.of({i: [0, 3] for i in range(4)})  # groups keep (2, 2): 4 query heads, 2 KV heads per layer
-    result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False))
+    result = export_pruned(lm, heads, tmp_path, ExportOptions(layout="auto", progress=False, measure_speed=False))
     assert result.choice.layout == "uniform" and result.choice.plan.shapes == [(4, 2)] * 4
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "mistral" and cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["architectures"] == ["MistralForCausalLM"]
@@ -250,7 +250,7 @@ def test_sharded_export_has_an_index_and_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
     lm = tiny_model("qwen2")
-    export_pruned(lm, EVEN, tmp_path, ExportOptions(layout="auto", max_shard_size="100KB", progress=False))
+    export_pruned(lm, EVEN, tmp_path, ExportOptions(layout="auto", max_shard_size="100KB", progress=False, measure_speed=False))
     shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -272,7 +272,7 @@ def test_auto_layout_picks_uniform_only_when_nothing_is_left_on_the_table():
 
 def test_manifest_guards_incomplete_or_modified_exports(tmp_path):
     lm = tiny_model("llama")
-    export_pruned(lm, EVEN, tmp_path, ExportOptions(progress=False))
+    export_pruned(lm, EVEN, tmp_path, ExportOptions(progress=False, measure_speed=False))
     read_manifest(tmp_path)
     (tmp_path / "README.md").write_text("edited")
     with pytest.raises(UserError, match="modified after export"):
@@ -289,7 +289,7 @@ def test_a_per_layer_export_is_refused_as_input_with_a_clear_error(tmp_path):
     from prune_heads.models.loading import LoadOptions, load_model
 
     lm = tiny_model("qwen2")
-    export_pruned(lm, UNEVEN, tmp_path, ExportOptions(layout="per-layer", progress=False))
+    export_pruned(lm, UNEVEN, tmp_path, ExportOptions(layout="per-layer", progress=False, measure_speed=False))
     with pytest.raises(UserError, match="different attention head counts per layer"):
         load_model(str(tmp_path), options=LoadOptions())
 
@@ -311,7 +311,7 @@ def test_bf16_export_is_verified_in_float32_and_leaves_both_models_in_bf16(tmp_p
 
     lm = _bf16("llama")
     before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
-    result = export_pruned(lm, EVEN, tmp_path, ExportOptions(layout="uniform", progress=False))
+    result = export_pruned(lm, EVEN, tmp_path, ExportOptions(layout="uniform", progress=False, measure_speed=False))
     v = result.verification
     assert v["compared_in"] == "float32" and v["dtype"] == "bfloat16"
     assert v["max_abs_logit_diff"] <= v["tolerance"] and v["argmax_agreement"] == 1.0
@@ -409,6 +409,6 @@ def test_reference_logits_go_to_disk_come_back_equal_and_are_removed_once_the_re
                                                                   real_append(self, t))[1])
     out = tmp_path / "export"
     out.mkdir()
-    export_pruned(lm, UNEVEN, out, ExportOptions(progress=False))
+    export_pruned(lm, UNEVEN, out, ExportOptions(progress=False, measure_speed=False))
     assert written == [out / REFERENCE_DIR] * ids.shape[0] and not (out / REFERENCE_DIR).exists()
     assert read_manifest(out)["verified"]

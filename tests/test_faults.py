@@ -43,7 +43,7 @@ def _only_the_cache_left(out):
 
 def _main_args(model_dir, mmlu, out, *extra):
     return ["--model", model_dir, "--mmlu", mmlu, "--mmlu-per-subject", "all", "--calibration-size", "4",
-            "--budget", "0.05nat", "--dtype", "float32", "--no-progress", "--out", out, *extra]
+            "--budget", "0.05nat", "--dtype", "float32", "--no-progress", "--no-speed", "--out", out, *extra]
 
 
 def _fill_once_checked(monkeypatch, disk, leave):
@@ -105,7 +105,7 @@ def test_the_up_front_estimate_is_what_is_written_and_admits_a_disk_that_suffice
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"0": [0, 3], "2": [1, 2, 4, 5]}))
     args = ["export", "--model", model_dir, "--heads", heads, "--no-task-eval", "--dtype", "float32",
-            "--no-progress"]
+            "--no-progress", "--no-speed"]
     lm = tiny_model("llama")
     choice = planner_for(lm).choose(HeadSet.load(heads), "auto")
     needed = export_bytes(lm, choice, ("safetensors",), "f16", prompts=4 * 96)
@@ -133,7 +133,7 @@ def other_model(tmp_path_factory):
 
 def _export_args(model, heads, out, *extra):
     return ["export", "--model", model, "--heads", heads, "--no-task-eval", "--dtype", "float32", "--no-progress",
-            "--out", out, *extra]
+            "--no-speed", "--out", out, *extra]
 
 
 def _family(out):

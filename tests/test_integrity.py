@@ -292,7 +292,7 @@ def test_the_embedded_alias_publishes_its_real_repository():
 def test_the_card_says_what_the_layout_did(tmp_path, layout, heads, says):
     out = tmp_path / "e"
     out.mkdir()
-    export_pruned(tiny_model("llama"), HeadSet.of(heads), out, ExportOptions(layout=layout, progress=False))
+    export_pruned(tiny_model("llama"), HeadSet.of(heads), out, ExportOptions(layout=layout, progress=False, measure_speed=False))
     card = (out / "README.md").read_text()
     assert says in card
     assert ("cut from the weights" in card) == (says == "are cut from the weights")
@@ -322,7 +322,7 @@ def test_the_speed_ratio_is_one_statistic_with_its_interval():
 def test_a_hand_edited_manifest_is_refused(tmp_path):
     out = tmp_path / "e"
     out.mkdir()
-    export_pruned(tiny_model("llama"), HeadSet.of({0: [0]}), out, ExportOptions(progress=False))
+    export_pruned(tiny_model("llama"), HeadSet.of({0: [0]}), out, ExportOptions(progress=False, measure_speed=False))
     read_manifest(out)
     for key, value in (("removed_heads", {"0": [0, 1]}), ("source_model", {"name": "someone/else"})):
         meta = json.loads((out / MANIFEST).read_text())
@@ -341,7 +341,7 @@ def test_an_export_of_the_older_schema_is_still_read_and_a_newer_one_is_refused(
 
     out = tmp_path / "e"
     out.mkdir()
-    export_pruned(tiny_model("llama"), HeadSet.of({0: [0]}), out, ExportOptions(progress=False))
+    export_pruned(tiny_model("llama"), HeadSet.of({0: [0]}), out, ExportOptions(progress=False, measure_speed=False))
     meta = json.loads((out / MANIFEST).read_text())
     assert meta["schema_version"] == MANIFEST_SCHEMA_VERSION == 2
     older = {k: v for k, v in meta.items() if k not in ("schema_version", "manifest_sha256")}
@@ -365,7 +365,7 @@ def pruned_and_adapter(tmp_path_factory):
     adapter_dir, _ = lora_adapter(lm, d, ["q_proj", "k_proj", "v_proj", "o_proj"])
     pruned = d / "pruned"
     pruned.mkdir()
-    export_pruned(lm, HeadSet.of({0: [0, 1, 2], 1: [4]}), pruned, ExportOptions(layout="per-layer", progress=False))
+    export_pruned(lm, HeadSet.of({0: [0, 1, 2], 1: [4]}), pruned, ExportOptions(layout="per-layer", progress=False, measure_speed=False))
     return adapter_dir, pruned
 
 

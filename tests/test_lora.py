@@ -28,7 +28,7 @@ def test_sliced_adapter_on_pruned_base_equals_ablated_base_with_adapter(family, 
 
     pruned_dir = tmp_path / "pruned"
     pruned_dir.mkdir()
-    result = export_pruned(lm, UNEVEN, pruned_dir, ExportOptions(layout=layout, progress=False))
+    result = export_pruned(lm, UNEVEN, pruned_dir, ExportOptions(layout=layout, progress=False, measure_speed=False))
     with ablate(merged, result.choice.plan):
         expected = logits(merged.model)
 
@@ -44,7 +44,7 @@ def test_adapt_command_and_bad_inputs(tmp_path, capsys):
     adapter_dir, _ = lora_adapter(lm, tmp_path, ["q_proj", "o_proj"])
     pruned_dir = tmp_path / "pruned"
     pruned_dir.mkdir()
-    export_pruned(lm, UNEVEN, pruned_dir, ExportOptions(progress=False))
+    export_pruned(lm, UNEVEN, pruned_dir, ExportOptions(progress=False, measure_speed=False))
     with pytest.raises(SystemExit) as e:
         main(["adapt", str(adapter_dir), "--pruned", str(pruned_dir), "--out", str(tmp_path / "a")])
     assert e.value.code == 0 and (tmp_path / "a" / "adapter_model.safetensors").is_file()
@@ -109,14 +109,14 @@ def test_dora_on_queries_with_zero_padding_heads_is_refused_and_works_without_th
     peft_model.save_pretrained(adapter_dir)
     padded = tmp_path / "padded"
     padded.mkdir()
-    result = export_pruned(lm, UNEVEN, padded, ExportOptions(layout="uniform", progress=False))
+    result = export_pruned(lm, UNEVEN, padded, ExportOptions(layout="uniform", progress=False, measure_speed=False))
     assert any(h is None for lp in result.choice.plan.layers for h in lp.slots)  # zero padding heads exist
     with pytest.raises(UserError, match="DoRA on the query projection.*`layout` masked"):
         slice_adapter(adapter_dir, padded, tmp_path / "s1")
     # The masked layout keeps every row: the DoRA adapter slices and reproduces the ablated merged model.
     masked = tmp_path / "masked"
     masked.mkdir()
-    result = export_pruned(lm, UNEVEN, masked, ExportOptions(layout="masked", progress=False))
+    result = export_pruned(lm, UNEVEN, masked, ExportOptions(layout="masked", progress=False, measure_speed=False))
     sliced = slice_adapter(adapter_dir, masked, tmp_path / "s2")
     merged = LoadedModel(peft_model.merge_and_unload(), lm.tokenizer, lm.arch, lm.source, lm.dtype, lm.device)
     with ablate(merged, result.choice.plan):

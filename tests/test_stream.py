@@ -42,8 +42,8 @@ def test_streamed_export_equals_the_export_from_memory(family, tmp_path):
         memory = dataclasses.replace(lm, source=dataclasses.replace(lm.source, kind="embedded"))  # not streamable
         a, b = tmp_path / f"{layout}-stream", tmp_path / f"{layout}-memory"
         a.mkdir(), b.mkdir()
-        streamed = export_pruned(lm, heads, a, ExportOptions(layout=layout, max_shard_size="100KB", progress=False))
-        written = export_pruned(memory, heads, b, ExportOptions(layout=layout, max_shard_size="100KB", progress=False))
+        streamed = export_pruned(lm, heads, a, ExportOptions(layout=layout, max_shard_size="100KB", progress=False, measure_speed=False))
+        written = export_pruned(memory, heads, b, ExportOptions(layout=layout, max_shard_size="100KB", progress=False, measure_speed=False))
         assert streamed.verification["streamed"] and not written.verification["streamed"]
         assert streamed.verification["max_abs_logit_diff"] <= streamed.verification["tolerance"]
         x, y = _tensors(a), _tensors(b)
@@ -95,8 +95,8 @@ def test_a_streamed_export_in_another_dtype_casts_what_it_cannot_copy(tmp_path):
     memory = dataclasses.replace(bf16, source=dataclasses.replace(bf16.source, kind="embedded"))
     a, b = tmp_path / "stream", tmp_path / "memory"
     a.mkdir(), b.mkdir()
-    streamed = export_pruned(bf16, EVEN, a, ExportOptions(layout="uniform", max_shard_size="100KB", progress=False))
-    export_pruned(memory, EVEN, b, ExportOptions(layout="uniform", max_shard_size="100KB", progress=False))
+    streamed = export_pruned(bf16, EVEN, a, ExportOptions(layout="uniform", max_shard_size="100KB", progress=False, measure_speed=False))
+    export_pruned(memory, EVEN, b, ExportOptions(layout="uniform", max_shard_size="100KB", progress=False, measure_speed=False))
     assert streamed.verification["streamed"] and lm.dtype == torch.float32
     x, y = _tensors(a), _tensors(b)
     assert x.keys() == y.keys() and all(x[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x)
