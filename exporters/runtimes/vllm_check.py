@@ -75,8 +75,8 @@ class VllmRequest:
 
 
 def run_in_vllm(python: str, model_dirs: tuple[Path, ...], request: VllmRequest, timeout: float = 900) -> list[dict]:
-    """``vllm_worker.py`` on each of ``model_dirs``, in order, in one ``python`` process: their results, or a UserError
-    with the end of vLLM's output."""
+    """``vllm_worker.py`` on each of ``model_dirs``, in order, in one ``python`` process (``timeout`` seconds for
+    each): their results, or a UserError with the end of vLLM's output."""
     with tempfile.TemporaryDirectory(prefix="prune-heads-vllm-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps({"models": [str(d) for d in model_dirs],
@@ -88,7 +88,7 @@ def run_in_vllm(python: str, model_dirs: tuple[Path, ...], request: VllmRequest,
         env = {**os.environ, "VLLM_PLUGINS": "prune_heads", "VLLM_CONFIGURE_LOGGING": "0",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         done = subprocess.run([python, str(WORKER), str(req), str(res)], cwd=tmp, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout * len(model_dirs))
         if done.returncode != 0 or not res.is_file():
             names = " and ".join(str(d) for d in model_dirs)
             tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])
