@@ -1,11 +1,6 @@
-"""Slice a peft LoRA adapter trained on the unpruned base so that it fits a pruned export, using the export's plan.
-
-For each layer: q_proj's lora_B rows follow the query slots, k_proj/v_proj's follow the KV slots (copied KV heads
-copy their rows, zero heads get zero rows), and o_proj's lora_A columns follow the query slots (removed or zero
-heads get zero columns). LoRA biases and DoRA magnitudes of q/k/v are sliced like their rows. A layer that kept no
-heads keeps no attention adapter. DoRA on o_proj is refused: its column norms change when columns go; so is DoRA on
-q_proj when the export has zero padding heads, whose row norms are zero.
-"""
+"""Slice a peft LoRA adapter trained on the unpruned base so that it fits a pruned export, using the export's plan:
+the adapter's files checked, sliced tensor by tensor (``prune_heads.plan.slicing.sliced_lora_state``: how each LoRA
+tensor follows the plan), written, and loaded on the export with peft to check it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +17,9 @@ from prune_heads.io.readers import check_adapter_config, read_json
 from prune_heads.models.adapters import ArchAdapter, adapter_for
 from prune_heads.models.checks import check_finite
 from prune_heads.models.counting import safetensors_shapes
-from prune_heads.models.geometry import head_rows
 from prune_heads.plan.ablation import ablate
-from prune_heads.plan.planner import LayerPlan, PrunePlan
+from prune_heads.plan.planner import PrunePlan
+from prune_heads.plan.slicing import sliced_lora_state, sliced_lora_tensor
 
 LORA_PARTS = (".lora_A.", ".lora_B.", "lora_magnitude_vector")  # what peft saves of a LoRA (DoRA) module
 
@@ -44,32 +39,6 @@ def _refuse_unsliceable(config: dict, names, arch: ArchAdapter, adapter_dir: Pat
         raise UserError(f"adapter {adapter_dir} holds no LoRA tensors (its target_modules "
                         f"{config.get('target_modules')!r} matched no module when it was saved); pass a trained "
                         "adapter")
-
-
-def _slice(name: str, kind: str, tensor: torch.Tensor, lp: LayerPlan, arch: ArchAdapter) -> torch.Tensor:
-    """One LoRA tensor of a projection whose rows (or, for "o", columns) are indexed by heads of ``kind``."""
-    d = lp.geometry.head_dim
-    is_a = ".lora_A." in name or name.endswith("lora_A.weight")
-    if kind == "o":
-        if "magnitude" in name:
-            raise UserError("DoRA on o_proj cannot be sliced exactly (its column norms change); re-train without "
-                            "o_proj in target_modules, or use `layout` masked for the base")
-        if not is_a:  # lora_B and lora biases of o_proj act on the hidden size, which does not change
-            return tensor
-        cols = [None if h is None or h in lp.zero_output else h for h in lp.slots]
-        return head_rows(tensor.T, cols, d).T.contiguous()
-    if is_a:  # lora_A of q/k/v acts on the (unchanged) hidden size
-        return tensor
-    if "magnitude" in name and kind in ("q", "qkv") and any(h is None for h in lp.slots):
-        # DoRA divides by the norm of each row of W + BA; a zero padding head's rows are all zero, so that is 0 / 0.
-        raise UserError("this adapter uses DoRA on the query projection, and the export pads some layers with zero "
-                        "query heads, whose DoRA norm would be 0 / 0 (NaN); export with `layout` masked, or use a LoRA "
-                        "adapter without DoRA on q_proj")
-    if kind == "qkv":  # fused [q | k | v] rows (Phi-3)
-        q, k, v = arch.split_qkv_rows(tensor, lp.geometry)
-        return torch.cat([head_rows(q, lp.slots, d), head_rows(k, lp.kv_slots, d),
-                          head_rows(v, lp.kv_slots, d)]).contiguous()
-    return head_rows(tensor, lp.slots if kind == "q" else lp.kv_slots, d).contiguous()
 
 
 def read_adapter_config(adapter_dir: Path) -> dict:
@@ -136,7 +105,6 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     model_config = read_json(pruned_dir / "config.json", "pruned model config")
     model_type = model_config.get("model_type") if isinstance(model_config, dict) else None
     arch = adapter_for(model_type)
-    pattern = arch.attention_key()
     source = source_name(meta)
     check_adapter_fits(safetensors_shapes([weights_path]), plan, int(model_config["hidden_size"]), arch, adapter_dir,
                        source)
@@ -147,16 +115,7 @@ def slice_adapter(adapter_dir: str | Path, pruned_dir: str | Path, out: str | Pa
     state = load_file(str(weights_path))
     _refuse_unsliceable(config, list(state), arch, adapter_dir)
     check_finite(state.items(), str(adapter_dir), "adapter tensors")
-    sliced = {}
-    for name, tensor in state.items():
-        m = pattern.search(name)
-        if not m:
-            sliced[name] = tensor  # not attention (MLP, embeddings): unchanged
-            continue
-        lp = plan.layers[int(m.group(1))]
-        if not lp.slots:
-            continue  # the layer's attention was removed entirely
-        sliced[name] = _slice(name, arch.projections[m.group(2)], tensor, lp, arch)
+    sliced = sliced_lora_state(state, plan, arch)
     config["base_model_name_or_path"] = str(pruned_dir.resolve())
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / "adapter_model.safetensors") as tmp:
@@ -192,7 +151,7 @@ def check_loads(pruned_dir: Path, adapter_out: Path, state: dict, plan: PrunePla
             continue
         lp, kind = plan.layers[int(found.group(1))], arch.projections[found.group(2)]
         a, b = state[f"{name}.lora_A.weight"].float(), state[f"{name}.lora_B.weight"].float()  # peft's own names
-        expected = _slice(f"{name}.lora_{'A' if kind == 'o' else 'B'}.weight", kind,
+        expected = sliced_lora_tensor(f"{name}.lora_{'A' if kind == 'o' else 'B'}.weight", kind,
                           (b @ a) * module.scaling["default"], lp, arch)
         got = module.get_delta_weight("default").float()
         if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-6):

@@ -1,13 +1,14 @@
 """What a run tells its user while it works: lines on the ``prune_heads`` logger, each with the style it is shown in.
 
 The core only says things; the command line (``prune_heads_cli``) decides how they are shown (it installs the
-handler that prints them to stderr, coloured). A library user sees them once logging is configured
-(``logging.basicConfig(level=logging.INFO)``)."""
+handler that prints them to stderr, coloured). A library user (the Python API) sees them once logging is
+configured (``logging.basicConfig(level=logging.INFO)``); until then nothing is printed."""
 from __future__ import annotations
 
 import logging
 
 LOG = logging.getLogger("prune_heads")
+LOG.addHandler(logging.NullHandler())  # a library's logger: silent until the application configures logging
 
 
 def say(message: str, **style) -> None:

@@ -1,13 +1,47 @@
-"""The exception types the CLI turns into a one-line message and exit code 2. They carry facts; the CLI words them."""
+"""The exceptions prune-heads raises on purpose, one hierarchy: ``PruneHeadsError`` is the root, ``UserError`` (also a
+``ValueError``) is bad input whose message names the problem and the fix; the command line turns each into one line
+and exit code 2, the Python API raises it as it is. They carry facts; the CLI words them.
+
+    PruneHeadsError
+      UserError (ValueError)            bad input: the message names the problem and the fix
+        UnsupportedModel                a model of a family (or a kind) prune-heads has no adapter for
+        AlreadyPruned                   weights whose head counts disagree with their config (pruned by another tool)
+        HeadIndexError (IndexError)     a head set naming a layer or head the model does not have
+        NotSliceable (TypeError)        a projection whose weights cannot be sliced by rows (a quantised linear layer)
+        NonFinite                       the model computed NaN or infinity where something is measured
+        DiskFull                        a write of the run failed for lack of space
+"""
 from __future__ import annotations
 
 import errno
 from pathlib import Path
 
 
-class UserError(Exception):
+class PruneHeadsError(Exception):
+    """The root of every exception prune-heads raises on purpose."""
+
+
+class UserError(PruneHeadsError, ValueError):
     """Bad input from the user: the message names the problem and the fix. An option is named by its parameter name
     in backticks (```budget```); the command line shows it as its flag (``--budget``), a library user as written."""
+
+
+class UnsupportedModel(UserError):
+    """A model prune-heads cannot work on: a family without an architecture adapter, or not a transformers causal
+    language model."""
+
+
+class AlreadyPruned(UserError):
+    """A model whose attention weights disagree with its config's head counts: pruned by another tool that left the
+    config as it was, so no head index can be trusted."""
+
+
+class HeadIndexError(UserError, IndexError):
+    """A head set naming a layer or a head the model does not have."""
+
+
+class NotSliceable(UserError, TypeError):
+    """A projection prune-heads cannot slice by rows: a quantised linear layer (bitsandbytes, GPTQ, AWQ, ...)."""
 
 
 class DiskFull(UserError):

@@ -7,7 +7,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from prune_heads.errors import UserError
+from prune_heads.errors import HeadIndexError, UserError
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,9 @@ class HeadSet:
     def validate(self, num_layers: int, heads_per_layer: list[int]) -> "HeadSet":
         for layer, h in self.pairs():
             if not 0 <= layer < num_layers:
-                raise UserError(f"head set names layer {layer}, but the model has layers 0..{num_layers - 1}")
+                raise HeadIndexError(f"head set names layer {layer}, but the model has layers 0..{num_layers - 1}")
             if not 0 <= h < heads_per_layer[layer]:
-                raise UserError(
+                raise HeadIndexError(
                     f"head set names head {h} of layer {layer}, but that layer has heads "
                     f"0..{heads_per_layer[layer] - 1}"
                 )

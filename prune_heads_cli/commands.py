@@ -17,49 +17,22 @@ from prune_heads import timings
 from prune_heads.console import say
 from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult, agreement, paired_delta
-from prune_heads.heads import HeadSet, ScoreTable, score_direction
+from prune_heads.heads import HeadSet, ScoreTable
 from prune_heads.io.files import write_json
 from prune_heads.io.parallel import LOCAL, Ranks
 from prune_heads.io.staging import StagedDirectory
 from prune_heads.models.loading import LoadedModel
 from prune_heads.models.placement import device_map_option, max_memory_option
+from prune_heads.pipeline.decision import Decision, decide, decision_report, say_selection
 from prune_heads.pipeline.inputs import Inputs
-from prune_heads.pipeline.run_report import prune_report
 from prune_heads.pipeline.settings import Settings
-from prune_heads.pipeline.stages import (
-    Run,
-    Scored,
-    confirmed,
-    describe,
-    full_task_size,
-    guard_for,
-    open_run,
-    ranked,
-    resolution_of,
-    say_resolution,
-    score,
-    select,
-    sized_to_budget,
-    verifier_for,
-    warn_chance,
-)
+from prune_heads.pipeline.stages import Run, describe, open_run, run_identity, warn_chance
 from prune_heads.report import plots
-from prune_heads.report.report import METRIC_NAMES, budget_definition, mark_refusals
-from prune_heads.search.selection import Selection, gqa_costs
+from prune_heads.report.report import METRIC_NAMES, budget_definition
+from prune_heads.search.selection import Selection
 from prune_heads.search.verifier import Verifier, VerifierSetup
 from prune_heads.timings import stage
 from prune_heads_cli.console import worded, worded_json
-
-
-def run_identity(command: str, settings: Settings, inputs: Inputs, **extra) -> dict:
-    """What defines a run's results (recorded in its --out; --resume continues only the same): the command, the
-    model source and its content hash, the settings (all but how it is shown and resumed), and ``extra``."""
-    src = inputs.source
-    model = {"path": src.path, "file": src.gguf_file, "revision": src.revision, "fingerprint": src.fingerprint}
-    shown = ("model", "progress", "resume")
-    return {"command": command, "model": model,
-            "settings": {k: v for k, v in settings.to_json().items() if k not in shown}, **extra}
-
 
 # -- prune-heads (the main job) -----------------------------------------------------------------------------------
 
@@ -85,46 +58,30 @@ def run_prune(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks:
         with stage("load"):
             run = open_run(settings, inputs, staged, ranks=ranks)
         say(describe(run))
-        with stage("sizing"):
-            run, resolution = sized_to_budget(run)  # from here on run.settings (with --mmlu-per-subject auto: sized)
-        with stage("scoring"):
-            scored = score(run)
-        with stage("baseline"):
-            verifier = verifier_for(run)
-        with stage("search"):
-            ranking = ranked(run, scored, verifier)
-            resolution = resolution or resolution_of(run, ranking, verifier)
-        warnings = [worded(w) for w in _say_baseline(run, verifier, resolution)]
-        with stage("search"):
-            searched = select(run, ranking, scored, verifier)
-        with stage("guard"):  # sized on a pilot read of the search's choice: the first point it will judge
-            guard = guard_for(run, verifier.target(searched.heads) if searched.heads else None)
-        with stage("confirmation"):  # the guard's reads inside count as "guard"
-            selection, confirmation, guarded = confirmed(run, verifier, searched, guard, ranking)
-        confirmation, guarded = worded_json(confirmation), worded_json(guarded)
-        if guard is not None:
-            guarded["seconds"] = round(guard.seconds, 1)
+        decision = decide(run)
+        run = decision.run
         if not ranks.root:
             return None  # this rank's share is done: the decision is made, rank 0 writes it
         run.work.finish_alone()
-        _say_selection(run, selection)
+        selection, verifier = decision.selection, decision.verifier
+        warnings = [worded(w) for w in decision.warnings]
+        confirmation, guarded = worded_json(decision.confirmation), worded_json(decision.guarded)
+        say_selection(decision)
         write_json(run.staging_dir / "heads.json", selection.heads.to_json())
         with stage("export"):  # the reload check, vLLM, the task on the export and the speed are their own stages
             export = _export(run, verifier, selection, warnings, confirmation, guarded) if run.settings.export else None
         with stage("report"):
-            report = _report(run, scored, verifier, selection, warnings, confirmation, resolution, export)
-            report["guard"] = guarded
-            report["search_points"] = mark_refusals(report["search_points"], confirmation, guarded)
+            report = _report(decision, warnings, confirmation, guarded, export)
             # Drawn once the export has let go of every model: matplotlib's renderer and font caches (~15 MiB kept)
             # never sit beside the reloaded weights, the run's memory peak.
-            _plot_selection(run, scored.table, selection, report, verifier.baseline)
+            _plot_selection(run, decision.scored.table, selection, report, verifier.baseline)
         report["processes"] = ranks.size  # torchrun's ranks that shared the scoring and evaluations
         report["timings"] = clock.to_json()
         report["seconds"] = report["timings"]["total"]
         write_json(run.staging_dir / "report.json", worded_json(report))
     say(f"{'pruned model, report' if settings.export else 'report'}: {out}", fg="green")
     say(f"done in {clock.describe()}", fg="green")
-    return PruneRun(run, scored.table, selection, report, export and export.result)
+    return PruneRun(run, decision.scored.table, selection, report, export and export.result)
 
 
 def _staged_on_root(settings: Settings, inputs: Inputs, out: Path, force: bool, ranks: Ranks):
@@ -140,44 +97,16 @@ def _staged_on_root(settings: Settings, inputs: Inputs, out: Path, force: bool, 
     return staged
 
 
-def _report(run: Run, scored: Scored, verifier: Verifier, selection: Selection, warnings: list[str],
-            confirmation: dict, resolution, export: "MainExport | None") -> dict:
-    """report.json, assembled once from the stages' results."""
-    s = run.settings
-    gqa = gqa_costs(verifier, scored.table.mean(s.scorer), score_direction(s.scorer) == "low",
-                    selection.search.best.heads)
-    report = prune_report(run, scored, verifier, selection, gqa, warnings)
-    report["confirmation"] = confirmation
-    report["resolution"] = resolution.to_json(full_task_size(run)) if resolution else None
+def _report(decision: Decision, warnings: list[str], confirmation: dict, guarded: dict,
+            export: "MainExport | None") -> dict:
+    """report.json, assembled once from the decision and the export."""
+    report = decision_report(decision, warnings, confirmation, guarded)
     if export is not None:
         if export.adapter is not None:
             report["adapter"] = export.adapter
         report["export"] = export.report()
-    report["cache"] = run.work.cache.stats
+    report["cache"] = decision.run.work.cache.stats
     return report
-
-
-def _say_baseline(run: Run, verifier: Verifier, resolution) -> list[str]:
-    """The unablated model's accuracy and what the questions resolve, printed; the warnings for the report."""
-    s = run.settings
-    warnings = [warn_chance(verifier.baseline, s.metric, s.task)]
-    say(f"unablated {s.task} accuracy {100 * verifier.baseline.accuracy:.2f}% on "
-         f"{len(verifier.baseline.questions)} questions" + (f"; next-token KL measured on "
-         f"{len(verifier.kl_text.sequences)} texts ({verifier.kl_text.source})" if verifier.kl_text else ""))
-    warnings.append(say_resolution(run, resolution))
-    return [w for w in warnings if w]
-
-
-def _say_selection(run: Run, selection: Selection) -> None:
-    s, d = run.settings, selection.delta
-    say(f"{len(selection.heads)} of {selection.total} heads ({100 * len(selection.heads) / selection.total:.1f}%) "
-        f"are within the budget ({s.budget}; {s.task} delta {d.delta:+.2f} pt, 95% CI [{d.ci_low:+.2f}, "
-        f"{d.ci_high:+.2f}])", fg="green")
-    if selection.savings:
-        sh = selection.savings
-        say(f"the {sh['layout']} export removes {sh['attention_params_removed']:,} attention parameters (deployment "
-            f"efficiency {sh['deployment_efficiency']:.2f}), {sh['kv_cache_removed']:,} B/token of KV cache, "
-            f"{sh['attention_flops_removed']:,} attention FLOPs/token (objective: {s.objective})", fg="green")
 
 
 def _plot_selection(run: Run, scores: ScoreTable, selection: Selection, report: dict, baseline: EvalResult) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from prune_heads.console import say, warn
-from prune_heads.data.lm_eval_index import is_lm_eval, samples
-from prune_heads.data.lm_eval_tasks import NOT_CHOICES, load_tasks, primary_metric
+from prune_heads.data.lm_eval_index import is_lm_eval
+from prune_heads.data.lm_eval_tasks import NOT_CHOICES, load_tasks
 from prune_heads.data.tasks import results_file, task_format
 from prune_heads.errors import UserError
 from prune_heads.eval.cached_steps import Work
-from prune_heads.eval.lm_eval_results import document_rows, document_value, generation_summary, paired, paired_as
 from prune_heads.eval.results import EvalResult, accuracy_summary, agreement, answer_kl, paired_delta
 from prune_heads.eval.textkl import HeldOutText
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable
@@ -19,13 +18,13 @@ from prune_heads.io.files import write_json, write_jsonl, write_text
 from prune_heads.io.staging import StagedDirectory
 from prune_heads.models.tokens import encode
 from prune_heads.pipeline.inputs import Inputs, compare_texts, kl_texts, lm_eval_spec, round_robin
+from prune_heads.pipeline.lm_eval_run import check_lm_eval_run, lm_eval_summary, say_lm_eval
 from prune_heads.pipeline.settings import Settings
-from prune_heads.pipeline.stages import Run, load, open_run, score, warn_chance
+from prune_heads.pipeline.stages import Run, load, open_run, run_identity, score, warn_chance
 from prune_heads.report import plots
 from prune_heads.report.report import scores_payload, versions, write_eval_outputs
 from prune_heads.report.study import StudyPlan
 from prune_heads.report.study_tasks import GenerationStudy, ProbeStudy, TaskStudy
-from prune_heads_cli.commands import run_identity
 from prune_heads_cli.console import worded
 
 # -- score, eval ----------------------------------------------------------------------------------------------------
@@ -71,67 +70,25 @@ def run_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: 
 
 
 def run_lm_eval(settings: Settings, inputs: Inputs, out: Path, force: bool, heads: HeadSet | None) -> dict:
-    """``prune-heads eval --task lm-eval:NAME``: lm-eval evaluates the task on the model (lm-eval's own model
-    interface, ``eval.lm_eval_bridge``), unablated and with ``heads`` ablated, document by document; one JSONL record
-    per document and a summary with the paired difference on each task's primary metric, and for a generative task
-    the agreement with the unablated model's own generations. Every request's response is cached as it is computed
-    (lm-eval's CachingLM, per model and head set): an interrupted evaluation resumes, and a later one in the same
-    `out` with more documents (`task_limit`) computes only the new ones."""
-    from prune_heads.eval.lm_eval_bridge import evaluate_tasks
-
-    _check_lm_eval_run(settings, heads)
+    """``prune-heads eval --task lm-eval:NAME``: ``pipeline.lm_eval_run.lm_eval_summary`` (lm-eval's own model
+    interface, unablated and with ``heads`` ablated, document by document, every response cached in `out` as it is
+    computed: an interrupted evaluation resumes, and a later one with more documents computes only the new ones); one
+    JSONL record per document and summary.json."""
+    _check_results_name(settings)
+    check_lm_eval_run(settings, heads)
     identity = run_identity("eval", settings, inputs, heads=heads.to_json() if heads else None)
     with StagedDirectory(out, force, settings.resume, inputs=inputs.paths, identity=identity) as staged:
         run = open_run(settings, inputs, staged, encode=False)
-        spec = lm_eval_spec(settings)
-        base = evaluate_tasks(run.lm, load_tasks(spec), None, settings.batch_size, settings.task_limit,
-                              settings.progress, run.work.lm_eval_cache(None))
-        ablated = (evaluate_tasks(run.lm, load_tasks(spec), heads, settings.batch_size, settings.task_limit,
-                                  settings.progress, run.work.lm_eval_cache(heads)) if heads else None)
-        summary = {"model": run.lm.source.to_json(), "settings": settings.to_json(), "versions": versions(),
-                   "task": settings.task, "ablated_heads": heads.to_json() if heads else {},
-                   "lm_eval": _lm_eval_results(base, ablated), "tasks": {}}
-        rows = []
-        for name, task in load_tasks(spec).items():
-            rows += _lm_eval_task(name, task, settings, base, ablated, summary["tasks"])
+        summary, rows = lm_eval_summary(run, heads)
         write_jsonl(staged.path / results_file(settings.task), rows)
         write_json(staged.path / "summary.json", summary)
-    _say_results(summary)
+    say_lm_eval(summary)
     say(f"lm-eval {', '.join(summary['tasks'])}: {out / results_file(settings.task)}", fg="green")
     return summary
 
 
-def _lm_eval_results(base: dict, ablated: dict | None) -> dict:
-    """lm-eval's own aggregates, per task and per group that aggregates (unablated, and ablated when heads are)."""
-    runs = {"unablated": base, **({"ablated": ablated} if ablated else {})}
-    out = {name: _plain(run["results"]) for name, run in runs.items()}
-    groups = {name: _plain(run["groups"]) for name, run in runs.items() if run["groups"]}
-    return {**out, **({"groups": groups} if groups else {})}
-
-
-def _say_results(summary: dict) -> None:
-    """A line per task (its documents paired) and per group (lm-eval's aggregates)."""
-    for name, t in summary["tasks"].items():
-        d = t.get("paired")
-        what = t["metric"] + (f" as {t['as']}" if t.get("as") else "")
-        say(f"{name} {what} {t['unablated']:.4g}" + (f" -> {d['ablated']:.4g}, delta {d['delta']:+.4g} "
-            f"{d['unit']} [{d['ci95'][0]:+.4g}, {d['ci95'][1]:+.4g}]" if d else "")
-            + (f"; same generation {100 * t['generation']['same_generation']:.1f}%, tokens predicted "
-               f"{100 * t['generation']['token_agreement']:.1f}%, KL {t['generation']['kl_per_token_nats']:.4f} "
-               "nat/token" if "generation" in t else ""))
-    groups = summary["lm_eval"].get("groups", {})
-    for group, values in groups.get("unablated", {}).items():
-        ablated = groups.get("ablated", {}).get(group, {})
-        for key, value in values.items():
-            if isinstance(value, float) and "_stderr" not in key:
-                say(f"{group} (group, lm-eval's aggregate) {key} {value:.4g}"
-                    + (f" -> {ablated[key]:.4g}" if isinstance(ablated.get(key), float) else ""))
-
-
-def _check_lm_eval_run(settings: Settings, heads: HeadSet | None) -> None:
-    """What would fail or mislead only after the evaluation, refused before it: a results file name longer than the
-    file system allows, an `lm_eval_metric` a task does not report, and, with heads ablated, a task that samples
-    (its same-generation and token agreement would compare two random draws)."""
+def _check_results_name(settings: Settings) -> None:
+    """A results file name longer than the file system allows, refused before the evaluation."""
     import os
 
     from prune_heads.io.files import NAME_MAX
@@ -141,40 +98,6 @@ def _check_lm_eval_run(settings: Settings, heads: HeadSet | None) -> None:
         raise UserError(f"the results file of `task` {settings.task[:60]}... would be named with "
                         f"{len(os.fsencode(name))} bytes, more than the {NAME_MAX} a file name may have; evaluate "
                         "fewer tasks at once, or name a group of them")
-    tasks = load_tasks(lm_eval_spec(settings))
-    for task in tasks.values() if settings.lm_eval_metric else ():
-        primary_metric(task, settings.lm_eval_metric)  # a metric the task does not report: before, not after
-    sampled = [n for n, t in tasks.items() if samples(t)] if heads else []
-    if sampled:
-        raise UserError(f"lm-eval task {sampled[0]} samples its generations (do_sample: true), so comparing the "
-                        "ablated model's with the unablated one's would measure chance; drop do_sample from its "
-                        "generation_kwargs (greedy generation), or evaluate without `ablate`")
-
-
-def _lm_eval_task(name: str, task, settings: Settings, base: dict, ablated: dict | None, into: dict) -> list[dict]:
-    """One task's per-document rows; its summary goes ``into`` the summary's tasks."""
-    from prune_heads.eval.lm_eval_bridge import generation_agreement
-
-    metric = primary_metric(task, settings.lm_eval_metric)
-    metrics = [m["metric"] for m in task.config.metric_list or []] or [metric]
-    mine = sorted(base["samples"][name], key=lambda s: s["doc_id"])
-    theirs = sorted(ablated["samples"][name], key=lambda s: s["doc_id"]) if ablated else None
-    what = paired_as(mine[0], metric)[1] if mine else ""
-    entry = {"output_type": task.OUTPUT_TYPE, "metric": metric, **({"as": what} if what else {}),
-             "documents": len(mine), "unablated": sum(document_value(s, metric) for s in mine) / max(len(mine), 1)}
-    agreement = None
-    if theirs is not None:
-        entry["paired"] = paired(mine, theirs, metric)
-        if task.OUTPUT_TYPE == "generate_until":
-            agreement = generation_agreement(ablated["model"], base["model"], theirs, mine)
-            entry["generation"] = generation_summary(agreement)
-    into[name] = entry
-    return document_rows(name, metrics, mine, theirs, agreement)
-
-
-def _plain(results: dict) -> dict:
-    """lm-eval's aggregate results as JSON values (numpy numbers as floats, "N/A" kept)."""
-    return {t: {k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for t, r in results.items()}
 
 
 def _ablated_summary(run: Run, heads: HeadSet, result: EvalResult, summary: dict) -> str | None:

@@ -27,7 +27,7 @@ from lm_eval.api.model import CachingLM
 from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from prune_heads.console import say
 from prune_heads.data.lm_eval_index import code_of, raised_in_user_code

@@ -16,7 +16,7 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-from prune_heads.errors import UserError
+from prune_heads.errors import UnsupportedModel
 from prune_heads.models.geometry import HeadGeometry, frozen_linear, head_rows
 from prune_heads.runtime import HEADS_FIELD, MODEL_TYPE_PREFIX, SkippedAttention, pruned_config_class
 
@@ -323,6 +323,6 @@ def adapter_for(model_type: str) -> ArchAdapter:
     for cls in ADAPTERS:
         if model_type in cls.model_types:
             return cls()
-    raise UserError(
+    raise UnsupportedModel(
         f"architecture {model_type!r} is not supported; supported model types: {', '.join(supported_model_types())}"
     )

@@ -107,11 +107,22 @@ def load(settings: Settings, inputs: Inputs, offload_dir: Path | None = None, ra
                       inputs.config)
 
 
+def run_identity(command: str, settings: Settings, inputs: Inputs, **extra) -> dict:
+    """What defines a run's results (recorded in its --out; --resume continues only the same): the command, the
+    model source and its content hash, the settings (all but how it is shown and resumed), and ``extra``."""
+    src = inputs.source
+    model = {"path": src.path, "file": src.gguf_file, "revision": src.revision, "fingerprint": src.fingerprint}
+    shown = ("model", "progress", "resume")
+    return {"command": command, "model": model,
+            "settings": {k: v for k, v in settings.to_json().items() if k not in shown}, **extra}
+
+
 def open_run(settings: Settings, inputs: Inputs, staged: StagedDirectory | None, encode: bool = True,
-             ranks: Ranks = LOCAL) -> Run:
-    """Load the model (and merge --adapter into a copy), open the result cache, encode the task. Under torchrun
-    (``ranks``), rank 0 holds the staging directory and the others ``None``."""
-    base = load(settings, inputs, staged.offload_dir if settings.device_map else None, ranks)
+             ranks: Ranks = LOCAL, loaded: LoadedModel | None = None) -> Run:
+    """Load the model (``loaded``: one the caller holds, e.g. the Python API's) and merge --adapter into a copy, open
+    the result cache (none without a staging directory), encode the task. Under torchrun (``ranks``), rank 0 holds the
+    staging directory and the others ``None``."""
+    base = loaded or load(settings, inputs, staged.offload_dir if settings.device_map else None, ranks)
     # With --adapter, everything is scored and verified on the user's actual model (base with the adapter merged);
     # the base is pruned and the adapter sliced to fit it.
     lm = with_adapter_merged(base, settings.lora_adapter) if settings.lora_adapter else base

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")
+if not os.environ.get("MPLBACKEND") and "matplotlib.pyplot" not in sys.modules:  # a notebook's backend stays its own
+    matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
@@ -33,7 +36,13 @@ def _save(fig, path: Path) -> Path:
 
 @_literal
 def score_heatmap(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path, title: str = "") -> Path:
-    """Layer x head heatmap of one score; removed heads are outlined."""
+    """Layer x head heatmap of one score, written to ``path``; removed heads are outlined."""
+    return _save(score_figure(scores, key, chosen, title=title), path)
+
+
+@_literal
+def score_figure(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path | None = None, title: str = ""):
+    """Layer x head heatmap of one score (removed heads outlined), as a figure (also written to ``path``)."""
     layers, heads = scores.shape
     fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * heads + 2), max(3.0, 0.22 * layers + 1.5)))
     cmap = "viridis_r" if score_direction(key) == "high" else "viridis"
@@ -48,7 +57,10 @@ def score_heatmap(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path, t
     dormant = "high" if score_direction(key) == "high" else "low"
     ax.set_title(title or f"{key} per head ({dormant} = dormant); red: removed ({len(chosen)} heads)", fontsize=9)
     fig.colorbar(im, ax=ax, label=key)
-    return _save(fig, path)
+    if path is not None:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
+    return fig
 
 
 @_literal
