@@ -57,7 +57,7 @@ def evaluate(model, tokenizer, task: str = "mmlu", *, heads=None, budget: str | 
              limit: int | str | None = None, progress: bool = True, **settings) -> Evaluation:
     """Read ``task`` on the model as the main command verifies it (``mmlu`` 5-shot, the other built-in tasks,
     ``lm-eval:NAME`` including generative and perplexity tasks), unablated and with ``heads`` (``{layer: [head]}``
-    or a Selection) ablated. ``limit``: questions per subject of MMLU, else the task's first ``limit`` questions
+    or a HeadSelection) ablated. ``limit``: questions per subject of MMLU, else the task's first ``limit`` questions
     (``"all"``: every one). ``budget`` (``"1%"``, ``"0.05nat"``): whether the ablation is within it."""
     lm = held(model, tokenizer)
     chosen = heads_of(heads or {}, lm)

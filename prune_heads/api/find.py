@@ -22,7 +22,7 @@ class HeadSelection:
     """The heads ``find_heads`` chose and what they were decided from.
 
     ``heads``: the confirmed heads (``as_dict()``: ``{layer: [head, ...]}``, the heads.json form; ``prune`` and
-    ``ablate`` take the Selection itself); ``points``: every point the search tried (report.json's
+    ``ablate`` take the HeadSelection itself); ``points``: every point the search tried (report.json's
     ``search_points``); ``confirmation`` and ``guard``: the confirmation's and the long-context guard's verdicts;
     ``baseline`` and ``result``: the task unablated and with the heads ablated; ``delta``: their paired difference;
     ``savings``: what the export of these heads removes; ``scores``: every score function on every head; ``report``:

@@ -96,7 +96,8 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def heads_of(heads, lm: LoadedModel) -> HeadSet:
-    """Heads as ``{layer: [head, ...]}``, a HeadSet or a ``Selection`` (its ``heads``), checked against the model."""
+    """Heads as ``{layer: [head, ...]}``, a HeadSet or a ``HeadSelection`` (its ``heads``), checked against the
+    model."""
     heads = getattr(heads, "heads", heads)
     if isinstance(heads, HeadSet):
         found = heads
@@ -106,7 +107,7 @@ def heads_of(heads, lm: LoadedModel) -> HeadSet:
         except (TypeError, ValueError):
             raise UserError("heads must map a layer to a list of head indices, e.g. {3: [0, 5], 7: [2]}") from None
     else:
-        raise UserError(f"heads must be {{layer: [head, ...]}} or a Selection, not {type(heads).__name__}")
+        raise UserError(f"heads must be {{layer: [head, ...]}} or a HeadSelection, not {type(heads).__name__}")
     geometries = lm.arch.geometries(lm.model)
     return found.validate(len(geometries), [g.num_heads for g in geometries])
 

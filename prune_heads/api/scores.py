@@ -40,7 +40,7 @@ class HeadScores:
         return self.table.ranking(_known(scorer, self.per_input))
 
     def plot(self, scorer: str = "ahon_ln", heads=None, path: str | Path | None = None):
-        """The layer x head heatmap the command line draws (``heads``, e.g. a Selection, outlined in red); written
+        """The layer x head heatmap the command line draws (``heads``, e.g. a HeadSelection, outlined in red); written
         to ``path`` as PNG when given. Returns the matplotlib figure (a notebook shows it)."""
         from prune_heads.report import plots
 

@@ -40,7 +40,7 @@ def in_place(model) -> LoadedModel:
 def ablate(model, heads) -> Iterator[nn.Module]:
     """``with prune_heads.ablate(model, {3: [0, 5]}):`` the model computes with those heads' outputs zeroed (the
     mechanism verification uses: a pre-hook on each layer's output projection); on exit, exception or not, it
-    computes as before (no weight is changed). ``heads``: ``{layer: [head, ...]}`` or a Selection."""
+    computes as before (no weight is changed). ``heads``: ``{layer: [head, ...]}`` or a HeadSelection."""
     lm = in_place(model)
     chosen = heads_of(heads, lm)
     target = planner_for(lm).choose(chosen, "auto").plan if lm.arch.qk_norm == "across_heads" and chosen else chosen

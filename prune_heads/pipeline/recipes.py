@@ -36,6 +36,14 @@ KEYS = {
 PER_DEVICE_KEYS = ("mmlu_per_subject", "mmlu_subjects", "task_limit", "batch_size")
 
 
+def for_device(value: Any, device_type: str, default: Any = None) -> Any:
+    """A recipe value that may be given per kind of device (``{cpu: ..., gpu: ...}``), for ``device_type`` (a torch
+    device type: "cuda" reads ``gpu``, anything else ``cpu``); ``default`` where it says nothing for this device."""
+    if isinstance(value, dict) and set(value) <= {"cpu", "gpu"}:
+        value = value.get("gpu" if device_type == "cuda" else "cpu")
+    return default if value is None else value
+
+
 @dataclass
 class Recipe:
     name: str
@@ -44,9 +52,7 @@ class Recipe:
 
     def get(self, key: str, device_type: str = "cpu") -> Any:
         value = self.values.get(key)
-        if key in PER_DEVICE_KEYS and isinstance(value, dict):
-            return value.get("gpu" if device_type == "cuda" else "cpu")
-        return value
+        return for_device(value, device_type) if key in PER_DEVICE_KEYS else value
 
     def to_json(self) -> dict:
         return {"name": self.name, "path": self.path, "values": self.values}

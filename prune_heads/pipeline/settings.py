@@ -21,9 +21,9 @@ from prune_heads.models.loading import (
     resolve_source,
 )
 from prune_heads.models.placement import device_map_option, max_memory_option
-from prune_heads.pipeline.recipes import Recipe, load_recipe, recipe_for
+from prune_heads.pipeline.recipes import Recipe, for_device, load_recipe, recipe_for
 from prune_heads.search.budget import METRIC_TASKS, TEXT_METRICS, Budget
-from prune_heads.search.budget_search import DEFAULT_GRID
+from prune_heads.search.budget_search import SearchOptions
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class Settings:
     size_questions: bool = False  # --mmlu-per-subject auto: sized so the predicted interval fits the budget
     mmlu_subjects: int | tuple[str, ...] | None = None
     batch_size: int = 8
-    grid: tuple[float, ...] = DEFAULT_GRID
-    patience: int = 2
-    refine_steps: int = 3
-    parallel: int = 1  # coarse-grid points evaluated in the same forward passes
+    grid: tuple[float, ...] = SearchOptions.grid  # the search's own defaults (search/budget_search.py)
+    patience: int = SearchOptions.patience
+    refine_steps: int = SearchOptions.refine_steps
+    parallel: int = SearchOptions.parallel  # coarse-grid points evaluated in the same forward passes
     early_stop_blocks: int = 4  # evaluate a point in this many parts, stopping once its CI puts it over budget (1: off)
     trust_remote_code: bool = False
     allow_pickle: bool = False
@@ -65,7 +65,7 @@ class Settings:
     progress: bool = True
     layout: str = "auto"  # export layout: auto | uniform | per-layer | masked
     units: str = "gqa"  # what the search removes: gqa (slices and whole KV groups, units.py) | heads (the paper's)
-    objective: str = "params"  # what the chosen point maximises: params | kv-cache | flops | heads
+    objective: str = SearchOptions.objective  # what the chosen point maximises: params | kv-cache | flops | heads
     decision: str = "point"  # within budget: point (the estimate, the paper's) | confident (the 97.5% bound)
     confirm: bool = True  # confirm the chosen point on questions the search never saw (confirmation.py)
     confirm_fraction: float = 0.0  # when the search uses every question: the share per subject held out to confirm
@@ -123,14 +123,12 @@ def _recipe_values(rec: Recipe, device_type: str) -> dict:
     """The recipe's value of every setting it may hold, for this kind of device."""
     values = {key: rec.get(key, device_type) for key in RECIPE_KEYS}
     search = rec.values.get("search") or {}
-    parallel = search.get("parallel", 1)
-    if isinstance(parallel, dict):
-        parallel = parallel.get("gpu" if device_type == "cuda" else "cpu", 1)
+    parallel = for_device(search.get("parallel"), device_type, Settings.parallel)
     values["heal"] = dict(rec.values.get("heal") or {})
     values.update(_guard_values(rec, device_type))
-    values.update(grid=tuple(search.get("grid", DEFAULT_GRID)), patience=search.get("patience", 2),
-                  refine_steps=search.get("refine_steps", 3), parallel=int(parallel or 1),
-                  early_stop_blocks=int(search.get("early_stop_blocks", 4) or 1))
+    values.update(grid=tuple(search.get("grid", Settings.grid)), patience=search.get("patience", Settings.patience),
+                  refine_steps=search.get("refine_steps", Settings.refine_steps), parallel=int(parallel or 1),
+                  early_stop_blocks=int(search.get("early_stop_blocks", Settings.early_stop_blocks) or 1))
     return values
 
 
@@ -140,28 +138,16 @@ def _guard_values(rec: Recipe, device_type: str) -> dict:
     from prune_heads.search.guard import parse_tolerance
 
     block = rec.values.get("guard") or {}
-    lengths = block.get("lengths", [512, 2048])
-    if isinstance(lengths, dict):
-        lengths = lengths.get("gpu" if device_type == "cuda" else "cpu") or Settings.probe_lengths
-    prompts = block.get("prompts") or {}
-    if set(prompts) <= {"cpu", "gpu"}:
-        prompts = prompts.get("gpu" if device_type == "cuda" else "cpu") or {}
-    prompts = {**dict(Settings.probe_prompts), **prompts}
+    lengths = for_device(block.get("lengths"), device_type, Settings.probe_lengths)
+    prompts = {**dict(Settings.probe_prompts), **for_device(block.get("prompts") or {}, device_type, {})}
     tolerance = {**dict(Settings.guard_tolerance), **(block.get("tolerance") or {})}
     return {"guard": tuple(block.get("probes", Settings.guard) or ()),
             "probe_lengths": tuple(sorted(set(lengths))), "probe_prompts": tuple(prompts.items()),
             "guard_tolerance": tuple((k, parse_tolerance(k, v)) for k, v in tolerance.items()),
             "calibrate_probes": bool(block.get("calibrate", False)),
             "guard_sizing": block.get("sizing", Settings.guard_sizing),
-            "guard_max_tokens": int(_for_device(block.get("max_tokens"), device_type) or Settings.guard_max_tokens),
+            "guard_max_tokens": int(for_device(block.get("max_tokens"), device_type) or Settings.guard_max_tokens),
             "guard_max_prompts": int(block.get("max_prompts") or Settings.guard_max_prompts)}
-
-
-def _for_device(value, device_type: str):
-    """A recipe value that may be given per device (``{cpu: ..., gpu: ...}``)."""
-    if isinstance(value, dict):
-        return value.get("gpu" if device_type == "cuda" else "cpu")
-    return value
 
 
 def _check_guard(values: dict) -> None:

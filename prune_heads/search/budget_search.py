@@ -31,7 +31,7 @@ class SearchOptions:
     patience: int = 2
     refine_steps: int = 3
     parallel: int = 1
-    objective: str = "heads"
+    objective: str = "params"  # the product's default (Settings takes these defaults); "heads" is the paper's count
 
 
 class PointEvaluator(Protocol):
