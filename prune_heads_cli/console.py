@@ -15,7 +15,8 @@ _FLAGS: dict[str, str] = {}  # parameter name -> flag, from the command table (l
 
 
 def learn_flags(cli: click.Group) -> None:
-    """Read every command's options (a secondary flag such as --no-confirm under its own name, no_confirm); the
+    """Read every command's options: each under its parameter name (a setting's name: `lora_adapter` is --adapter)
+    and under its own spelling (`no_export` is --no-export; a secondary flag such as --no-confirm is no_confirm); the
     command table calls this once it is defined."""
     flags = _FLAGS
     commands = [cli, *cli.commands.values()]
@@ -25,7 +26,7 @@ def learn_flags(cli: click.Group) -> None:
                 long = [o for o in p.opts if o.startswith("--")]
                 if long:
                     flags.setdefault(p.name, long[0])
-                for o in p.secondary_opts:
+                for o in [*long, *p.secondary_opts]:
                     flags.setdefault(o[2:].replace("-", "_"), o)
 
 

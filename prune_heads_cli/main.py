@@ -45,58 +45,22 @@ from prune_heads_cli.options import (
     prepare,
     probe_options,
     push_flags,
+    setting_options,
     study_probe_flags,
 )
-
-# The main command's own flags, passed to Settings under their names (--no-export and --adapter are renamed).
-MAIN_FLAGS = ("budget", "metric", "scorer", "layout", "max_shard_size", "export_format", "gguf_type", "vllm_python",
-              "units", "objective", "decision", "confirm", "confirm_fraction", "gqa", "heal_steps", "heal_data",
-              "heal_in_search", "guard_texts", "probe_max_length", "calibrate_probes")
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @common_options
-@click.option("--budget", "-b", help="Max drop in points (1%, 0.5, 2pt), or max KL in nats (0.05nat).")
+@setting_options("main")
 @click.option("--metric", type=click.Choice(list(METRIC_CHOICES)), help="What the budget limits: accuracy points on "
               "--task (mmlu and mmlu-cloze: on that task); kl, the mean KL from the unablated model over the answer "
               "choices; on the --kl-text texts (a generative lm-eval task: the unablated model's own generations): "
               "kl-text, the mean next-token KL (nats); token-agreement, points of next-token predictions that change; "
               "same-generation, points of generations that change. All but accuracy have signal at chance level.")
-@click.option("--scorer", type=click.Choice(SCORE_KEYS), help="Score that ranks heads (default ahon_ln).")
 @export_options
-@click.option("--units", type=click.Choice(["gqa", "heads"]), default="gqa", show_default=True,
-              help="What the search removes: gqa, one head from every KV group of a layer or a whole KV group at a "
-                   "time (zeroed = removed in the export); heads, single heads by score (the paper's ranking).")
-@click.option("--objective", type=click.Choice(["params", "kv-cache", "flops", "heads"]), default="params",
-              show_default=True, help="What the chosen point maximises within budget, in the model that ships: "
-              "attention parameters, KV cache, attention FLOPs removed, or heads zeroed (the paper's count).")
-@click.option("--decision", type=click.Choice(["point", "confident"]), default="point", show_default=True,
-              help="When a point is within budget: point, its estimate is (the paper's rule); confident, the one-sided "
-              "97.5% bound is (the paired difference's lower 95% limit, or the KL's mean + 1.96 standard errors).")
-@click.option("--confirm/--no-confirm", default=True, show_default=True, help="Confirm the chosen point on "
-              "questions the search never saw (further questions of the same subjects), stepping back along the "
-              "curve while it fails the budget.")
-@click.option("--confirm-fraction", type=float, help="When the search uses every question: the share of each "
-              "subject's questions held out of the search to confirm on (e.g. 0.3; default 0, no confirmation then).")
-@click.option("--guard", metavar="PROBES", help="Long-context probes every accepted point must keep within the "
-              "recipe's tolerance of the unablated model, comma-separated: passkey (retrieve a 5-digit key from "
-              "filler), copy (repeat a random token sequence), text (your --guard-texts). Default: passkey,copy.")
 @click.option("--no-guard", is_flag=True, help="Turn the long-context guard off (the report says so).")
 @probe_options
-@click.option("--calibrate-probes", is_flag=True, default=None, help="Score heads on the probes' prompts too, so "
-              "heads active only on long contexts are not ranked dormant.")
-@click.option("--gqa", type=click.Choice(["exact", "balanced"]), default="exact", show_default=True,
-              help="With --units heads: exact keeps the selection and copies KV heads so groups stay equal; balanced "
-                   "removes the same number of heads from every KV group (re-verified against the budget).")
-@click.option("--no-export", is_flag=True, help="Stop after the search: report and heads.json, no pruned model.")
-@click.option("--adapter", type=click.Path(file_okay=False), help="A peft LoRA adapter of this base: score and verify "
-              "base+adapter, prune the base, and write the sliced adapter to OUT/adapter.")
-@click.option("--heal-steps", type=click.IntRange(min=1), help="After pruning, train LoRA adapters (peft) on the "
-              "pruned model for this many steps, merge them, and re-verify (default: no healing).")
-@click.option("--heal-data", type=click.Path(dir_okay=False), help="Healing text (JSONL 'text' or plain lines); "
-              "default: the --calibration file, else held-out questions of the task, never the verified ones.")
-@click.option("--heal-in-search", is_flag=True, default=None, help="Judge every search point by its accuracy after "
-              "healing (one healing run per point).")
 @click.option("--push-to", metavar="REPO", help="After a verified export, push it to this Hub repo (user/name).")
 @click.option("--private", is_flag=True, help="With --push-to: create the repo private.")
 @click.version_option(package_name="prune-heads")
@@ -121,12 +85,9 @@ def cli(ctx: click.Context, **kw):
     from prune_heads.io.parallel import launched_ranks, leave
     from prune_heads_cli.commands import run_prune
 
-    push_to, private = push_flags(kw.pop("push_to"), kw.pop("private"), kw["no_export"])
-    main_flags = {name: kw.pop(name) for name in MAIN_FLAGS}
-    main_flags["guard"] = guard_flag(kw.pop("guard"), kw.pop("no_guard"))
-    main_flags["measure_speed"] = not kw.pop("no_speed")
-    main_flags.update(export=not kw.pop("no_export"), lora_adapter=kw.pop("adapter"))
-    settings, inputs = prepare(kw, True, **main_flags)
+    push_to, private = push_flags(kw.pop("push_to"), kw.pop("private"), kw["export"] is False)
+    guard = guard_flag(kw.pop("guard"), kw.pop("no_guard"))
+    settings, inputs = prepare(kw, True, guard=guard, metric=kw.pop("metric"))
     ranks = launched_ranks()
     settings = as_rank(settings, ranks)
     run_prune(settings, inputs, kw["out"], kw["force"], ranks)
@@ -171,14 +132,12 @@ def eval_cmd(ablate, probes, guard_texts, probe_max_length, **kw):
               help="heads.json: {layer: [head, ...]} to remove.")
 @click.option("--no-mmlu", "--no-task-eval", "no_task_eval", is_flag=True,
               help="Verify logits only, skip the task evaluations.")
-def export_cmd(heads_file, layout, max_shard_size, export_format, gguf_type, vllm_python, no_speed, no_task_eval,
-               **kw):
+def export_cmd(heads_file, no_task_eval, **kw):
     """Remove a given head set (no search), write the smaller model to --out and verify it."""
     from prune_heads_cli.commands import run_export
 
     heads = load_heads(heads_file, "removed")
-    settings, inputs = prepare(kw, layout=layout, max_shard_size=max_shard_size, export_format=export_format,
-                               gguf_type=gguf_type, vllm_python=vllm_python, measure_speed=not no_speed)
+    settings, inputs = prepare(kw)
     check_heads(heads, inputs.config)
     run_export(settings, inputs, heads, kw["out"], kw["force"], not no_task_eval, heads_file)
 

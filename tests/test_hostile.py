@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tiny import run_cli, save_tiny
 
 from prune_heads.errors import UserError
-from prune_heads.io.readers import read_heads, read_recipe
+from prune_heads.io.readers import read_heads
+from prune_heads.pipeline.recipes import read_recipe
 from prune_heads.search.budget import Budget
 
 

@@ -39,7 +39,7 @@ def test_user_recipe_file_overrides_and_bad_keys_fail(tmp_path):
 def test_budget_unit_beats_recipe_metric_but_explicit_metric_conflicts(tmp_path):
     from tiny import tiny_model
 
-    from prune_heads.pipeline.settings import resolve_settings
+    from prune_heads.pipeline.merging import resolve_settings
 
     lm = tiny_model("llama")
     model = tmp_path / "m"

@@ -20,7 +20,8 @@ from prune_heads.models.adapters import adapter_for
 from prune_heads.models.loading import LoadedModel, ModelSource
 from prune_heads.models.placement import input_device
 from prune_heads.pipeline.inputs import Inputs, load_inputs
-from prune_heads.pipeline.settings import Settings, resolve_settings
+from prune_heads.pipeline.merging import resolve_settings
+from prune_heads.pipeline.settings import Settings
 
 # Keyword arguments that are not a field of Settings: resolve_settings reads them (the budget's metric, the decision
 # rule, the recipe) or the API converts them (mmlu_per_subject "all" / "auto").

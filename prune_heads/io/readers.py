@@ -145,82 +145,24 @@ def schema_error(error: ValidationError, path: str | Path, what: str, expected: 
     return UserError(" ".join(message.split("\n")).replace("\r", " "))
 
 
+# Recipe files, heads files: checked strictly (no key they do not know, no value of another type). The recipe's
+# schema is derived from the declared settings (prune_heads/pipeline/recipes.py).
+STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = STRICT
 
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 Number = StrictInt | StrictFloat
-Fraction = Annotated[Number, Field(gt=0, le=1)]
 
 
-class PerDevice(_Strict):
-    cpu: Any = None
-    gpu: Any = None
+class Match(_Strict):
+    """A recipe's ``match`` block: which models take it by default."""
 
-
-class _Match(_Strict):
     name_patterns: list[StrictStr] = []
     model_types: list[StrictStr] = []
-
-
-class _Search(_Strict):
-    grid: Annotated[list[Fraction], Field(min_length=1, max_length=1000)] | None = None
-    patience: PositiveInt | None = None
-    refine_steps: Annotated[StrictInt, Field(ge=0, le=100)] | None = None
-    parallel: PositiveInt | dict[Literal["cpu", "gpu"], PositiveInt] | None = None
-    early_stop_blocks: PositiveInt | None = None
-
-
-class _Heal(_Strict):
-    rank: PositiveInt | None = None
-    alpha: Annotated[Number, Field(gt=0)] | None = None
-    learning_rate: Annotated[Number, Field(gt=0, lt=1)] | None = None
-    batch_size: PositiveInt | None = None
-    max_length: Annotated[StrictInt, Field(ge=2)] | None = None
-
-
-def _per_device(inner):
-    return inner | dict[Literal["cpu", "gpu"], inner] | None
-
-
-_Probe = Literal["passkey", "copy", "text"]
-
-
-class _Guard(_Strict):
-    probes: list[_Probe] | None = None
-    lengths: _per_device(Annotated[list[Annotated[StrictInt, Field(ge=64)]], Field(min_length=1)]) = None
-    prompts: _per_device(dict[_Probe, PositiveInt]) = None
-    tolerance: dict[_Probe, StrictStr | Annotated[Number, Field(ge=0)]] | None = None
-    calibrate: StrictBool | None = None
-    sizing: Literal["auto", "fixed"] | None = None
-    max_tokens: _per_device(Annotated[StrictInt, Field(ge=64)]) = None
-    max_prompts: Annotated[StrictInt, Field(ge=2, le=4096)] | None = None
-
-
-class RecipeSchema(_Strict):
-    """What a recipe may say; a recipe that leaves a key out falls back to default.yaml."""
-
-    name: StrictStr | None = None
-    match: _Match | None = None
-    scorer: StrictStr | None = None
-    budget: StrictStr | Annotated[Number, Field(ge=0)] | None = None
-    generation_budget: StrictStr | Annotated[Number, Field(ge=0)] | None = None  # a next-token-KL budget in nats
-    metric: Literal["accuracy", "kl", "kl-text", "token-agreement", "same-generation", "mmlu",
-                    "mmlu-cloze"] | None = None
-    task: StrictStr | None = None
-    task_limit: _per_device(PositiveInt | None) = None
-    kl_text_size: PositiveInt | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    calibration_size: PositiveInt | None = None
-    max_length: Annotated[StrictInt, Field(ge=2)] | None = None
-    mmlu_per_subject: _per_device(PositiveInt | None) = None
-    mmlu_subjects: _per_device(PositiveInt | list[StrictStr] | None) = None
-    batch_size: _per_device(PositiveInt) = None
-    search: _Search | None = None
-    study: dict[StrictStr, Any] | None = None
-    heal: _Heal | None = None
-    guard: _Guard | None = None
 
 
 def checked(data: Any, schema: type[BaseModel], path: str | Path, what: str, expected: str) -> dict:
@@ -232,15 +174,6 @@ def checked(data: Any, schema: type[BaseModel], path: str | Path, what: str, exp
     except ValidationError as e:
         raise schema_error(e, path, what, expected) from None
     return data
-
-
-def read_recipe(path: str | Path) -> dict:
-    """A recipe file's settings, checked against ``RecipeSchema``."""
-    data = read_yaml(path, "recipe")
-    if data is None:
-        return {}
-    return checked(data, RecipeSchema, path, "recipe", "a YAML mapping of settings with the types of "
-                   "recipes/default.yaml")
 
 
 HeadIndex = Annotated[StrictInt, Field(ge=0, le=1 << 20)]

@@ -4,58 +4,48 @@ that leaves a key out falls back to ``default.yaml``."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import functools
+from collections import defaultdict
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StrictStr, create_model
 
 from prune_heads.errors import UserError
-from prune_heads.io.readers import read_recipe, read_yaml
+from prune_heads.io.readers import STRICT, Match, Number, checked, read_yaml
+from prune_heads.pipeline.settings import Recipe, declarations
+from prune_heads.search.budget import METRIC_CHOICES
 
-KEYS = {
-    "name",
-    "match",
-    "scorer",
-    "budget",
-    "metric",
-    "generation_budget",
-    "task",
-    "task_limit",
-    "kl_text_size",
-    "dtype",
-    "calibration_size",
-    "max_length",
-    "mmlu_per_subject",
-    "mmlu_subjects",
-    "batch_size",
-    "search",
-    "study",
-    "heal",
-    "guard",
+# Recipe keys that are not a setting of their own: the recipe's name, which models it matches, the unit the budget is
+# read in (the `metric` flag), the budget on generations, and the study's defaults. Every other key is declared with
+# its setting (pipeline/settings.py).
+RECIPE_ONLY = {
+    "name": (StrictStr | None, "The recipe's name (default: the file's)."),
+    "match": (Match | None, "Which models take this recipe by default: `name_patterns` (substrings of the model's "
+                            "name) and `model_types` (config model types)."),
+    "metric": (Literal[METRIC_CHOICES] | None, "What the budget limits, as `--metric` (accuracy, kl, kl-text, ...)."),
+    "generation_budget": (StrictStr | Annotated[Number, Field(ge=0)] | None,
+                          "For a model near chance: the next-token-KL budget on generations when `kl_text` names an "
+                          "lm-eval task and neither a budget nor a metric is given."),
+    "study": (dict[StrictStr, Any] | None, "Defaults of `prune-heads study`."),
 }
-PER_DEVICE_KEYS = ("mmlu_per_subject", "mmlu_subjects", "task_limit", "batch_size")
 
 
-def for_device(value: Any, device_type: str, default: Any = None) -> Any:
-    """A recipe value that may be given per kind of device (``{cpu: ..., gpu: ...}``), for ``device_type`` (a torch
-    device type: "cuda" reads ``gpu``, anything else ``cpu``); ``default`` where it says nothing for this device."""
-    if isinstance(value, dict) and set(value) <= {"cpu", "gpu"}:
-        value = value.get("gpu" if device_type == "cuda" else "cpu")
-    return default if value is None else value
-
-
-@dataclass
-class Recipe:
-    name: str
-    path: str
-    values: dict[str, Any]
-
-    def get(self, key: str, device_type: str = "cpu") -> Any:
-        value = self.values.get(key)
-        return for_device(value, device_type) if key in PER_DEVICE_KEYS else value
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "path": self.path, "values": self.values}
+@functools.cache
+def recipe_schema() -> type[BaseModel]:
+    """What a recipe may say, derived from the declared settings' recipe keys (a dotted key is a key of a block) and
+    the recipe's own keys; strict: an unknown key or a value of the wrong type is refused."""
+    top, blocks = {key: (kind, None) for key, (kind, _) in RECIPE_ONLY.items()}, defaultdict(dict)
+    for d in declarations().values():
+        if d.recipe and "." in d.recipe:
+            block, key = d.recipe.split(".", 1)
+            blocks[block][key] = (d.recipe_type, None)
+        elif d.recipe:
+            top[d.recipe] = (d.recipe_type, None)
+    for block, keys in blocks.items():
+        top[block] = (create_model(f"{block}_block", __config__=STRICT, **keys) | None, None)
+    return create_model("Recipe", __config__=STRICT, **top)
 
 
 def _recipe_dir() -> Path:
@@ -65,16 +55,19 @@ def _recipe_dir() -> Path:
     return Path(str(resources.files("prune_heads.recipe_files")))
 
 
-def _read(path: Path) -> dict:
+def read_recipe(path: str | Path) -> dict:
+    """A recipe file's settings, checked against the schema derived from the declared settings (``recipe_schema``):
+    a bad file fails in one line naming the key and what it expected."""
     data = read_yaml(path, "recipe")
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"recipe {path} must be a YAML mapping of settings, not a {type(data).__name__}")
-    unknown = set(map(str, data)) - KEYS
+    schema = recipe_schema()
+    unknown = set(map(str, data)) - set(schema.model_fields)
     if unknown:
-        raise UserError(f"recipe {path} has unknown keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
-    return read_recipe(path)
+        raise UserError(f"recipe {path} has unknown keys {sorted(unknown)}; allowed: {sorted(schema.model_fields)}")
+    return checked(data, schema, path, "recipe", "a YAML mapping of settings with the types of recipes/default.yaml")
 
 
 def builtin_recipes() -> dict[str, Path]:
@@ -88,8 +81,8 @@ def load_recipe(name_or_path: str) -> Recipe:
         if name_or_path not in builtin:
             raise UserError(f"recipe {name_or_path!r} is neither a file nor a built-in recipe ({', '.join(builtin)})")
         path = builtin[name_or_path]
-    values = copy.deepcopy(_read(builtin["default"]))
-    own = _read(path)
+    values = copy.deepcopy(read_recipe(builtin["default"]))
+    own = read_recipe(path)
     values.update(own)
     return Recipe(str(own.get("name", path.stem)), str(path), values)
 
@@ -99,7 +92,7 @@ def recipe_for(model_spec: str, model_type: str, preferred: str | None = None) -
     if preferred:
         return load_recipe(preferred)
     lowered = model_spec.lower()
-    recipes = {name: _read(p) for name, p in builtin_recipes().items() if name != "default"}
+    recipes = {name: read_recipe(p) for name, p in builtin_recipes().items() if name != "default"}
     for name, data in recipes.items():
         if any(pat in lowered for pat in (data.get("match") or {}).get("name_patterns", [])):
             return load_recipe(name)

@@ -314,7 +314,7 @@ def with_adapter_merged(lm: LoadedModel, adapter_dir: str) -> LoadedModel:
 
     weights = Path(adapter_dir) / "adapter_model.safetensors"
     if not weights.is_file():
-        raise UserError(f"`adapter` {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
+        raise UserError(f"`lora_adapter` {adapter_dir} is not a peft adapter (no adapter_model.safetensors)")
     check_finite(load_file(str(weights)).items(), str(adapter_dir), "adapter tensors")
     merged = PeftModel.from_pretrained(copy.deepcopy(lm.model), adapter_dir).merge_and_unload().eval()
     source = copy.copy(lm.source)

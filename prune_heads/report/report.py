@@ -12,6 +12,7 @@ from prune_heads.eval.results import EvalResult, accuracy_summary
 from prune_heads.eval.textkl import text_measures
 from prune_heads.io.files import write_json, write_jsonl
 from prune_heads.models.loading import LoadedModel
+from prune_heads.search.budget import REGISTRY
 from prune_heads.search.selection import Selection
 
 # report.json's layout. 2: one meaning per name: the budget's `limit` with its `unit` (was `points`, nats under a KL
@@ -71,25 +72,11 @@ def mark_refusals(points: list[dict], confirmation: dict, guard: dict) -> list[d
             else p for p in points]
 
 
-METRIC_NAMES = {"kl": "answer KL", "kl-text": "next-token KL on held-out text",
-                "token-agreement": "next-token predictions changed on held-out text",
-                "same-generation": "held-out generations changed"}
+METRIC_NAMES = {name: m.title for name, m in REGISTRY.items() if m.title}  # what a plot's title calls it
 
 
 def budget_definition(budget, task: str) -> str:
-    if budget.metric == "kl":
-        return f"mean KL(unablated || ablated) over the answer choices of the {task} prompts, at most this many nats"
-    if budget.metric == "kl-text":
-        return "mean next-token KL(unablated || ablated) on held-out text, at most this many nats"
-    if budget.metric == "token-agreement":
-        return ("share of next-token predictions on held-out text (teacher-forced; on a generative task the unablated "
-                "model's own generation) where the ablated model's greedy choice differs from the unablated one's, at "
-                "most this many points (mean over texts)")
-    if budget.metric == "same-generation":
-        return ("share of held-out documents whose greedy generation changes (teacher-forced on the unablated model's "
-                "own generation: a different greedy choice at any generated token, the one that ended it included), "
-                "at most this many points")
-    return f"ablated {task} accuracy at most this many points below the unablated model on the same questions"
+    return budget.spec.definition.format(task=task)
 
 
 def scores_payload(table, calibration: str) -> dict:

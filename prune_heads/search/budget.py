@@ -12,12 +12,57 @@ from prune_heads.errors import UserError
 from prune_heads.eval.results import EvalResult, PairedDelta, agreement, answer_kl, paired_delta, restricted
 from prune_heads.eval.textkl import TextDamage
 
-METRICS = ("accuracy", "kl", "kl-text", "token-agreement", "same-generation")
-# measured on held-out text (the next-token KL's texts): kl-text in nats; token-agreement in points of next-token
-# predictions that change (100 - the share the ablated model predicts as the unablated one does, greedy);
-# same-generation in points of texts whose greedy generation changes (on a generative lm-eval task: the ablated model's
-# generation is not the unablated one's, token for token)
-TEXT_METRICS = ("kl-text", "token-agreement", "same-generation")
+
+@dataclass(frozen=True)
+class Metric:
+    """One quantity a budget can limit, registered once in ``REGISTRY``: everything else (``METRICS``, the choices of
+    `metric`, the recipe schema, how a point is judged, read back, plotted and described) is derived from it.
+
+    ``unit``: points or nats; ``on_text``: measured on held-out text (the next-token KL's texts), not on the task's
+    questions; ``record``: the report.json field of a search point that holds it; ``damage``: the ``TextDamage``
+    field it reads on text (``share``: a share kept, so the budget limits ``100 * (1 - share)`` points changed);
+    ``proportion``: one 0/1 outcome per text (its resolution is a proportion's); ``phrase``, ``axis``, ``title`` and
+    ``definition`` (``{task}`` filled in): how reports, plots and the card word it."""
+
+    name: str
+    unit: str
+    on_text: bool
+    record: str
+    phrase: str
+    axis: str
+    title: str | None
+    definition: str
+    damage: str | None = None
+    share: bool = False
+    proportion: bool = False
+
+    @property
+    def in_nats(self) -> bool:
+        return self.unit == "nats"
+
+
+REGISTRY = {m.name: m for m in (
+    Metric("accuracy", "points", False, "delta_points", "accuracy points", "accuracy drop (points)", None,
+           "ablated {task} accuracy at most this many points below the unablated model on the same questions"),
+    Metric("kl", "nats", False, "kl_answer_nats", "nats of answer KL", "answer KL (nats)", "answer KL",
+           "mean KL(unablated || ablated) over the answer choices of the {task} prompts, at most this many nats"),
+    Metric("kl-text", "nats", True, "kl_text_nats", "nats of next-token KL on held-out text", "next-token KL (nats)",
+           "next-token KL on held-out text",
+           "mean next-token KL(unablated || ablated) on held-out text, at most this many nats", damage="kl"),
+    Metric("token-agreement", "points", True, "token_agreement",
+           "points of next-token predictions changed on held-out text", "next-token predictions changed (points)",
+           "next-token predictions changed on held-out text",
+           "share of next-token predictions on held-out text (teacher-forced; on a generative task the unablated "
+           "model's own generation) where the ablated model's greedy choice differs from the unablated one's, at most "
+           "this many points (mean over texts)", damage="agreement", share=True),
+    Metric("same-generation", "points", True, "same_generation", "points of held-out generations changed",
+           "generations changed (points)", "held-out generations changed",
+           "share of held-out documents whose greedy generation changes (teacher-forced on the unablated model's own "
+           "generation: a different greedy choice at any generated token, the one that ended it included), at most "
+           "this many points", damage="same", share=True, proportion=True),
+)}
+METRICS = tuple(REGISTRY)
+TEXT_METRICS = tuple(name for name, m in REGISTRY.items() if m.on_text)
 
 
 MAX_NATS = 100.0  # a KL budget beyond this accepts any model
@@ -27,7 +72,7 @@ MAX_NATS = 100.0  # a KL budget beyond this accepts any model
 METRIC_TASKS = {"mmlu": "mmlu", "mmlu-cloze": "mmlu-cloze"}
 
 
-METRIC_CHOICES = ("mmlu", "mmlu-cloze", "accuracy", "kl", "kl-text", "token-agreement", "same-generation")
+METRIC_CHOICES = (*METRIC_TASKS, *METRICS)
 
 
 @dataclass(frozen=True)
@@ -56,7 +101,7 @@ class Budget:
             )
         value, unit = float(m.group(1)), m.group(2) or ""
         unit_metric = "kl" if unit.startswith("nat") else ("accuracy" if unit else None)
-        in_nats = metric in ("kl", "kl-text")
+        in_nats = metric in REGISTRY and REGISTRY[metric].in_nats
         if metric and unit_metric and in_nats != (unit_metric == "kl"):
             raise UserError(f"`budget` {text!r} is in {'nats' if unit_metric == 'kl' else 'points'}, but "
                             f"`metric` is {named}, which is measured in {'nats' if in_nats else 'points'}; use a "
@@ -73,37 +118,36 @@ class Budget:
         return Budget(value, metric, str(text))
 
     @property
+    def spec(self) -> Metric:
+        """The registered metric this budget limits."""
+        return REGISTRY[self.metric]
+
+    @property
     def in_nats(self) -> bool:
-        return self.metric in ("kl", "kl-text")
+        return self.spec.in_nats
 
     @property
     def on_text(self) -> bool:
         """Whether the budget is measured on held-out text (TEXT_METRICS), not on the task's questions."""
-        return self.metric in TEXT_METRICS
+        return self.spec.on_text
 
     def text_values(self, damage: TextDamage) -> torch.Tensor:
         """Per held-out text, what a text budget limits, in its unit (nats, or points)."""
-        if self.metric == "kl-text":
-            return damage.kl.double()
-        if self.metric == "token-agreement":
-            return 100.0 * (1.0 - damage.agreement.double())
-        return 100.0 * (1.0 - damage.same.double())
+        values = getattr(damage, self.spec.damage).double()
+        return 100.0 * (1.0 - values) if self.spec.share else values
 
     def reads(self, point: dict) -> float:
         """What the budget limits, read off an evaluated point's report.json record (nan where not measured)."""
-        nan = float("nan")
+        value = point.get(self.spec.record)
+        if value is None:
+            return float("nan")
         if self.metric == "accuracy":
-            return -point["delta_points"]
-        if self.metric in ("kl", "kl-text"):
-            return point.get("kl_answer_nats" if self.metric == "kl" else "kl_text_nats", nan)
-        share = point.get("token_agreement" if self.metric == "token-agreement" else "same_generation")
-        return nan if share is None else 100.0 * (1.0 - share)
+            return -value
+        return 100.0 * (1.0 - value) if self.spec.share else value
 
     @property
     def axis_label(self) -> str:
-        return {"kl": "answer KL (nats)", "kl-text": "next-token KL (nats)",
-                "token-agreement": "next-token predictions changed (points)",
-                "same-generation": "generations changed (points)"}.get(self.metric, "accuracy drop (points)")
+        return self.spec.axis
 
     def allows(self, delta: PairedDelta, kl: float = 0.0, kl_se: float = 0.0, text: float | None = None,
                text_se: float = 0.0, z: float = 1.96) -> bool:
@@ -121,15 +165,7 @@ class Budget:
 
     def __str__(self) -> str:
         sure = " (confident: 97.5% bound)" if self.rule == "confident" else ""
-        if self.metric == "kl":
-            return f"{self.limit:g} nats of answer KL{sure}"
-        if self.metric == "kl-text":
-            return f"{self.limit:g} nats of next-token KL on held-out text{sure}"
-        if self.metric == "token-agreement":
-            return f"{self.limit:g} points of next-token predictions changed on held-out text{sure}"
-        if self.metric == "same-generation":
-            return f"{self.limit:g} points of held-out generations changed{sure}"
-        return f"{self.limit:g} accuracy points{sure}"
+        return f"{self.limit:g} {self.spec.phrase}{sure}"
 
 
 def judge(budget: Budget, result: EvalResult, baseline: EvalResult) -> tuple[PairedDelta, float, float, bool]:

@@ -73,7 +73,7 @@ def edge_sd(budget: Budget, pilot: EvalResult, baseline: EvalResult) -> float:
         d = (pilot.correct - baseline.correct).double()
         observed = float(d.std(unbiased=True)) if d.numel() > 1 else 0.0
         return 100.0 * max(observed, math.sqrt(b * (1 - b)))
-    if budget.metric == "same-generation":  # one 0/1 change per text: a proportion at the budget's edge
+    if budget.spec.proportion:  # one 0/1 change per text: a proportion at the budget's edge
         b = min(budget.limit / 100.0, 0.5)
         return 100.0 * math.sqrt(b * (1 - b))
     if budget.on_text:
