@@ -1,11 +1,11 @@
 """Command line: ``prune-heads --model M --budget 1% --out DIR`` (the main job: score, search, export, verify) and
 the commands ``score``, ``eval``, ``study``, ``compare``, ``export``, ``adapt`` and ``push``.
 
-One command table; the options every model-reading command shares are declared once (``common_options``), and a
-flag name means one thing everywhere. Flags left unset take the recipe's value (``--recipe``, or the one matching
-the model; see ``recipes/``). Every value and flag combination is checked before anything loads. Bad input ends with
-a one-line ``error: ...`` naming the problem and the fix, and exit code 2; an unexpected failure with one line and
-the path of a log holding the traceback, exit code 1.
+One command table; every setting's flag is generated from its one declaration (``prune_heads.pipeline.settings``,
+through ``setting_options``), and a flag name means one thing everywhere. Flags left unset take the recipe's value
+(``--recipe``, or the one matching the model; see ``recipes/``). Every value and flag combination is checked before
+anything loads. Bad input ends with a one-line ``error: ...`` naming the problem and the fix, and exit code 2; an
+unexpected failure with one line and the path of a log holding the traceback, exit code 1.
 """
 from __future__ import annotations
 

@@ -273,7 +273,7 @@ def csv_list(value: str, what: str, convert=str) -> list:
 STUDY_PROBE_PROMPTS = 16  # a study on a probe: prompts per length (the guard reads fewer: it pairs, not ranks)
 
 
-# -- flag rules across a command's flags (the settings' own rules are in pipeline/settings.py) ------------------
+# -- flag rules across a command's flags (the settings' own rules are in pipeline/merging.py) ------------------
 
 
 def push_flags(push_to: str | None, private: bool, no_export: bool) -> tuple[str | None, bool]:
