@@ -50,22 +50,32 @@ def causal_lm(model) -> torch.nn.Module:
     return base
 
 
-def held(model, tokenizer, fingerprint: bool = False) -> LoadedModel:
-    """``model`` and ``tokenizer`` as the core's ``LoadedModel``; a PeftModel as a merged copy (what the command line's
-    ``adapter`` verifies). ``fingerprint``: key the cache by a digest of the weights (for ``out``; seconds per GB)."""
+def in_place(model, tokenizer=None) -> LoadedModel:
+    """The model itself (a PeftModel's base, its LoRA layers in place) as the core reads it, no copy: what ``ablate``
+    and ``prune`` act on."""
     base = causal_lm(model)
     arch = adapter_for(base.config.model_type)
     check_unpruned(base, arch)
+    return _loaded(base, tokenizer, arch, None)
+
+
+def held(model, tokenizer, fingerprint: bool = False) -> LoadedModel:
+    """``model`` and ``tokenizer`` as the core's ``LoadedModel`` for reading (scoring, evaluating, searching); a
+    PeftModel as a merged copy (what the command line's ``adapter`` verifies). ``fingerprint``: key the cache by a
+    digest of the weights (for ``out``; seconds per GB)."""
+    lm = in_place(model, tokenizer)
     if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
         raise UserError("the tokenizer is missing or is not a transformers tokenizer; pass "
                         "AutoTokenizer.from_pretrained(...) of the same checkpoint")
-    if is_peft(model):
-        base = copy.deepcopy(model).merge_and_unload()
+    base = copy.deepcopy(model).merge_and_unload() if is_peft(model) else lm.model
+    return _loaded(base.eval(), tokenizer, lm.arch, weights_digest(base) if fingerprint else None)
+
+
+def _loaded(base: torch.nn.Module, tokenizer, arch, digest: str | None) -> LoadedModel:
     name = getattr(base.config, "_name_or_path", "") or type(base).__name__
-    digest = weights_digest(base) if fingerprint else None
     source = ModelSource(spec=name, kind="memory", path=name, fingerprint=digest)
-    dtype = next(base.parameters()).dtype
-    return LoadedModel(base.eval(), tokenizer, arch, source, dtype, input_device(base), {"held": True})
+    return LoadedModel(base, tokenizer, arch, source, next(base.parameters()).dtype, input_device(base),
+                       {"held": True})
 
 
 def check_unpruned(model: torch.nn.Module, arch) -> None:
@@ -130,7 +140,8 @@ def settings_of(lm: LoadedModel, budget=None, progress: bool = True, **kwargs) -
     elif per_subject is not None:
         overrides["mmlu_per_subject"] = None if per_subject == "all" else int(per_subject)
     if kwargs.get("task_limit") == "all":
-        overrides["task_limit"] = kwargs.pop("task_limit") and None
+        kwargs.pop("task_limit")
+        overrides["task_limit"] = None
     flags = {**kwargs, "budget": budget, "progress": progress,
              "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch.")}
     settings = resolve_settings(lm.source.spec, recipe, overrides, source=lm.source, config=lm.config, **flags)

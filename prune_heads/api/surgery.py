@@ -12,11 +12,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from prune_heads.api.held import causal_lm, check_unpruned, heads_of, is_peft
+from prune_heads.api.held import heads_of, in_place, is_peft
 from prune_heads.errors import NotSliceable, UserError
-from prune_heads.models.adapters import ArchAdapter, adapter_for
-from prune_heads.models.loading import LoadedModel, ModelSource
-from prune_heads.models.placement import input_device
+from prune_heads.models.adapters import ArchAdapter
+from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import HeadAblation
 from prune_heads.plan.planner import PrunePlan, planner_for
 from prune_heads.plan.slicing import apply_plan, sliced_lora_state
@@ -24,16 +23,6 @@ from prune_heads.runtime import MODEL_TYPE_PREFIX, pruned_classes
 
 # What a pruned model's config records (saved in config.json by save_pretrained): the removed heads and the plan.
 CONFIG_RECORD = "prune_heads"
-
-
-def in_place(model) -> LoadedModel:
-    """The model itself (a PeftModel's base, its LoRA layers in place) as the core reads it, no copy."""
-    base = causal_lm(model)
-    arch = adapter_for(base.config.model_type)
-    check_unpruned(base, arch)
-    name = getattr(base.config, "_name_or_path", "") or type(base).__name__
-    return LoadedModel(base, None, arch, ModelSource(name, "memory", name), next(base.parameters()).dtype,
-                       input_device(base), {"held": True})
 
 
 @contextmanager
