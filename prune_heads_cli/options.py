@@ -15,7 +15,7 @@ from exporters.gguf.writer import GGUF_TYPES
 from prune_heads.data.lm_eval_tasks import NOT_CHOICES
 from prune_heads.data.tasks import TASKS
 from prune_heads.errors import UserError
-from prune_heads.heads import SCORE_KEYS, HeadSet
+from prune_heads.heads import HeadSet
 from prune_heads.io.files import check_path_names
 
 
@@ -88,9 +88,9 @@ def _option(name: str, d):
         names = [f"{flag}/--no-{flag[2:]}"]
     else:
         kw["type"] = _click_type(d)
-    default = default_of(name)  # the shipping commands' own settings show theirs (the recipe has no say in them)
-    shown = d.commands in ("main", "export") and (d.kind == "pair" or d.choices or (d.kind == "value" and
-                                                                                      d.minimum is None))
+    default = default_of(name)  # shown where no recipe has a say: a shipping command's own choices and values
+    shown = (d.recipe is None and d.commands in ("main", "export") and d.kind in ("value", "pair", "gguf_type")
+             and d.minimum is None)
     if shown and default is not None:
         kw.update(default=default, show_default=True)
     return click.option(*names, name, **kw)
@@ -100,7 +100,7 @@ def _click_type(d):
     """How a flag of the declared ``kind`` reads its value (checked by click: one line naming the flag)."""
     types = {"file": click.Path(dir_okay=False), "dir": click.Path(file_okay=False),
              "existing_file": click.Path(dir_okay=False, exists=True), "task": TaskType(), "int": int,
-             "fraction": float, "scorer": click.Choice(SCORE_KEYS), "gguf_type": click.Choice(list(GGUF_TYPES))}
+             "fraction": float, "gguf_type": click.Choice(list(GGUF_TYPES))}
     if d.kind in types:
         return types[d.kind]
     if d.choices:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
+from prune_heads.heads import SCORE_KEYS
 from prune_heads.io.readers import STRICT, Number
 from prune_heads.search.budget_search import SearchOptions
 
@@ -131,7 +132,7 @@ class Settings:
     max_memory: str | None = declared(None, "With --device-map: memory per device, e.g. 0=20GiB,1=20GiB,cpu=60GiB.")
     dtype: str = declared("auto", "Weights and compute dtype.", choices=("auto", "float32", "bfloat16", "float16"),
                           recipe="dtype", recipe_type=Literal["auto", "float32", "bfloat16", "float16"] | None)
-    scorer: str = declared("ahon_ln", "Score that ranks heads (default ahon_ln).", commands="main", kind="scorer",
+    scorer: str = declared("ahon_ln", "Score that ranks heads (default ahon_ln).", commands="main", choices=SCORE_KEYS,
                            recipe="scorer", recipe_type=StrictStr | None)
     task: str = declared(
         "mmlu", "Verification questions (default mmlu, the paper's): mmlu-cloze scores answer texts 0-shot; "
