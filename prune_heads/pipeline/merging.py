@@ -9,7 +9,6 @@ from dataclasses import fields
 from prune_heads.data.lm_eval_index import is_lm_eval
 from prune_heads.data.tasks import MMLU_TASKS, task_format
 from prune_heads.errors import UserError
-from prune_heads.heads import SCORE_KEYS
 from prune_heads.models.loading import (
     EMBEDDED_MODELS,
     ModelSource,
@@ -189,14 +188,9 @@ def resolve_settings(model: str, recipe: str | None = None, overrides: dict | No
     values = recipe_values(rec, resolve_device(flags.get("device") or "auto").type)
     values.update({key: value for key, value in flags.items() if value is not None})
     values.update(overrides or {})  # explicit values that may be None ("all")
-    if values.get("scorer") not in SCORE_KEYS:
-        raise UserError(f"unknown scorer {values.get('scorer')!r}; choose one of: {', '.join(SCORE_KEYS)}")
-    values["task"] = _task(values, flags)
-    budget = _budget(values, flags)
-    if values.get("decision", "point") not in ("point", "confident"):
-        raise UserError(f"`decision` {values['decision']!r} is not one of point, confident")
-    budget = dataclasses.replace(budget, rule=values.get("decision", "point"))
     _check_declared(values)
+    values["task"] = _task(values, flags)
+    budget = dataclasses.replace(_budget(values, flags), rule=values.get("decision") or Settings.decision)
     _refuse_conflicts({**values, "budget_metric": budget.metric})
     _check_guard(values)
     if not 0 <= float(values.get("confirm_fraction") or 0) < 1:
