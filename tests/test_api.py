@@ -26,15 +26,17 @@ UNEVEN = {0: [1, 2], 1: [0, 1, 2, 3, 4, 5], 3: [0, 3, 4]}  # layer 1 loses every
 # The public names and their signatures: a change here is a change of the API (CHANGELOG.md, and a deprecation for a
 # name that goes or an argument that changes).
 SIGNATURES = {
-    "score_heads": "(model, tokenizer, texts: 'Sequence[str] | None' = None, *, scorers: 'Sequence[str] | None' = None, "
-                   "batch_size: 'int | None' = None, progress: 'bool' = True, **settings) -> 'HeadScores'",
-    "evaluate": "(model, tokenizer, task: 'str' = 'mmlu', *, heads=None, budget: 'str | float | None' = None, "
-                "limit: 'int | str | None' = None, progress: 'bool' = True, **settings) -> 'Evaluation'",
-    "find_heads": "(model, tokenizer, budget: 'str | float | None' = '1%', *, task: 'str' = 'mmlu', "
-                  "out: 'str | Path | None' = None, force: 'bool' = False, progress: 'bool' = True, **settings) "
-                  "-> 'HeadSelection'",
-    "ablate": "(model, heads) -> 'Iterator[nn.Module]'",
-    "prune": "(model, heads, *, layout: 'str' = 'auto') -> 'nn.Module'",
+    "score_heads": "(model: 'nn.Module', tokenizer: 'PreTrainedTokenizerBase', texts: 'Sequence[str] | None' = None, *, "
+                   "scorers: 'Sequence[str] | None' = None, batch_size: 'int | None' = None, progress: 'bool' = True, "
+                   "**settings) -> 'HeadScores'",
+    "evaluate": "(model: 'nn.Module', tokenizer: 'PreTrainedTokenizerBase', task: 'str' = 'mmlu', *, "
+                "heads: 'Heads | None' = None, budget: 'str | float | None' = None, limit: 'int | str | None' = None, "
+                "progress: 'bool' = True, **settings) -> 'Evaluation'",
+    "find_heads": "(model: 'nn.Module', tokenizer: 'PreTrainedTokenizerBase', budget: 'str | float | None' = '1%', *, "
+                  "task: 'str' = 'mmlu', out: 'str | Path | None' = None, force: 'bool' = False, "
+                  "progress: 'bool' = True, **settings) -> 'HeadSelection'",
+    "ablate": "(model: 'nn.Module', heads: 'Heads') -> 'Iterator[nn.Module]'",
+    "prune": "(model: 'nn.Module', heads: 'Heads', *, layout: 'str' = 'auto') -> 'nn.Module'",
 }
 CLASSES = ("HeadScores", "Evaluation", "HeadSelection", "PruneHeadsError", "UserError", "UnsupportedModel",
            "AlreadyPruned", "HeadIndexError", "NotSliceable", "NonFinite", "DiskFull")

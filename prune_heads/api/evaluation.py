@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from prune_heads.api.held import heads_of, held, settings_of
+from prune_heads.api.held import Heads, heads_of, held, settings_of
 from prune_heads.data.lm_eval_index import is_lm_eval
 from prune_heads.data.lm_eval_tasks import NOT_CHOICES
 from prune_heads.data.tasks import MMLU_TASKS
@@ -14,6 +15,10 @@ from prune_heads.pipeline.lm_eval_run import check_lm_eval_run, lm_eval_summary
 from prune_heads.pipeline.stages import open_run
 from prune_heads.search.budget import Budget, judge
 from prune_heads.search.verifier import Verifier, VerifierSetup
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -53,7 +58,8 @@ class Evaluation:
                 for r, a in zip(self.baseline.rows(), self.ablated.rows())]
 
 
-def evaluate(model, tokenizer, task: str = "mmlu", *, heads=None, budget: str | float | None = None,
+def evaluate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, task: str = "mmlu", *,
+             heads: Heads | None = None, budget: str | float | None = None,
              limit: int | str | None = None, progress: bool = True, **settings) -> Evaluation:
     """Read ``task`` on the model as the main command verifies it (``mmlu`` 5-shot, the other built-in tasks,
     ``lm-eval:NAME`` including generative and perplexity tasks), unablated and with ``heads`` (``{layer: [head]}``

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prune_heads import timings
 from prune_heads.api.held import held, settings_of
@@ -15,6 +16,10 @@ from prune_heads.io.files import write_json
 from prune_heads.io.staging import StagedDirectory
 from prune_heads.pipeline.decision import Decision, decide, decision_report, say_selection
 from prune_heads.pipeline.stages import open_run, run_identity
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -46,8 +51,9 @@ class HeadSelection:
         return len(self.heads)
 
 
-def find_heads(model, tokenizer, budget: str | float | None = "1%", *, task: str = "mmlu",
-               out: str | Path | None = None, force: bool = False, progress: bool = True, **settings) -> HeadSelection:
+def find_heads(model: nn.Module, tokenizer: PreTrainedTokenizerBase, budget: str | float | None = "1%", *,
+               task: str = "mmlu", out: str | Path | None = None, force: bool = False, progress: bool = True,
+               **settings) -> HeadSelection:
     """The heads ``budget`` lets go (``"1%"``: one accuracy point of ``task``; ``"0.05nat"``: answer KL; None: the
     recipe's), found as ``prune-heads --model M --budget B`` finds them: every head scored, the budget search along
     the scorer's ranking, the chosen point confirmed on unseen questions and within the long-context guard.

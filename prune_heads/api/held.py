@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
+from typing import Protocol, Union
 
 import torch
 
@@ -22,6 +24,16 @@ from prune_heads.models.placement import input_device
 from prune_heads.pipeline.inputs import Inputs, load_inputs
 from prune_heads.pipeline.merging import resolve_settings
 from prune_heads.pipeline.settings import Settings
+
+
+class HasHeads(Protocol):
+    """A result that carries a head set (``HeadSelection``)."""
+
+    heads: HeadSet
+
+
+# Heads as the public functions take them: {layer: [head, ...]} (heads.json's form), a HeadSet, or a HeadSelection.
+Heads = Union[Mapping[int, Sequence[int]], HeadSet, HasHeads]
 
 # Keyword arguments that are not a field of Settings: resolve_settings reads them (the budget's metric, the decision
 # rule, the recipe) or the API converts them (mmlu_per_subject "all" / "auto").

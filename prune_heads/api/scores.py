@@ -4,14 +4,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from prune_heads.api.held import held, settings_of
+from prune_heads.api.held import Heads, held, settings_of
 from prune_heads.errors import UserError
 from prune_heads.heads import SCORE_KEYS, HeadSet, ScoreTable, score_direction
 from prune_heads.models.tokens import encode
 from prune_heads.pipeline.stages import open_run, score
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class HeadScores:
         """Every ``(layer, head)``, most dormant first by ``scorer`` (low scores are dormant, but for ``awft``)."""
         return self.table.ranking(_known(scorer, self.per_input))
 
-    def plot(self, scorer: str = "ahon_ln", heads=None, path: str | Path | None = None):
+    def plot(self, scorer: str = "ahon_ln", heads: Heads | None = None, path: str | Path | None = None):
         """The layer x head heatmap the command line draws (``heads``, e.g. a HeadSelection, outlined in red); written
         to ``path`` as PNG when given. Returns the matplotlib figure (a notebook shows it)."""
         from prune_heads.report import plots
@@ -55,8 +60,9 @@ def _known(scorer: str, held_keys: Iterable[str]) -> str:
     return scorer
 
 
-def score_heads(model, tokenizer, texts: Sequence[str] | None = None, *, scorers: Sequence[str] | None = None,
-                batch_size: int | None = None, progress: bool = True, **settings) -> HeadScores:
+def score_heads(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str] | None = None, *,
+                scorers: Sequence[str] | None = None, batch_size: int | None = None, progress: bool = True,
+                **settings) -> HeadScores:
     """Every score function of the paper (and its layer-normalised ``_ln`` form) on every head, from one pass over
     ``texts`` (each truncated to ``max_length`` tokens), else over the task's prompts as ``prune-heads score`` reads
     them (``calibration_size`` of them, round-robin over subjects). ``scorers`` keeps only those functions.

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from prune_heads.api.held import heads_of, in_place, is_peft
+from prune_heads.api.held import Heads, heads_of, in_place, is_peft
 from prune_heads.errors import NotSliceable, UserError
 from prune_heads.models.adapters import ArchAdapter
 from prune_heads.models.loading import LoadedModel
@@ -26,7 +26,7 @@ CONFIG_RECORD = "prune_heads"
 
 
 @contextmanager
-def ablate(model, heads) -> Iterator[nn.Module]:
+def ablate(model: nn.Module, heads: Heads) -> Iterator[nn.Module]:
     """``with prune_heads.ablate(model, {3: [0, 5]}):`` the model computes with those heads' outputs zeroed (the
     mechanism verification uses: a pre-hook on each layer's output projection); on exit, exception or not, it
     computes as before (no weight is changed). ``heads``: ``{layer: [head, ...]}`` or a HeadSelection."""
@@ -39,7 +39,7 @@ def ablate(model, heads) -> Iterator[nn.Module]:
         yield model
 
 
-def prune(model, heads, *, layout: str = "auto") -> nn.Module:
+def prune(model: nn.Module, heads: Heads, *, layout: str = "auto") -> nn.Module:
     """Remove ``heads`` from ``model`` for good, in place, and return it: each layer's q/k/v/o rows and columns sliced
     by the plan the command line's export ships (grouped-query attention respected: a KV head goes when its whole
     group goes; ``layout`` auto, uniform, per-layer or masked as ``--layout``), its config updated.
