@@ -35,9 +35,9 @@ class HasHeads(Protocol):
 # Heads as the public functions take them: {layer: [head, ...]} (heads.json's form), a HeadSet, or a HeadSelection.
 Heads = Union[Mapping[int, Sequence[int]], HeadSet, HasHeads]
 
-# Keyword arguments that are not a field of Settings: resolve_settings reads them (the budget's metric, the decision
-# rule, the recipe) or the API converts them (mmlu_per_subject "all" / "auto").
-EXTRA_SETTINGS = ("metric", "decision", "recipe")
+# Keyword arguments that are not a field of Settings: resolve_settings reads them (the budget's metric, the recipe by
+# its name or file).
+EXTRA_SETTINGS = ("metric", "recipe")
 # Settings that describe how the command line loads a model, meaningless for a model already in memory.
 LOADING_SETTINGS = ("model", "device", "device_map", "max_memory", "dtype", "trust_remote_code", "allow_pickle",
                     "revision", "resume", "lora_adapter", "vllm_python", "max_shard_size", "export_format",
