@@ -126,7 +126,7 @@ def _check_declared(values: dict) -> None:
     checked so by click already; the API's keyword arguments and a recipe's values are checked here)."""
     for name, d in declarations().items():
         value = values.get(name)
-        if value is None:
+        if value is None or value == default_of(name):  # a default is valid (heal_steps 0: no healing)
             continue
         if d.choices and value not in d.choices:
             raise UserError(f"`{name}` {value!r} is not one of {', '.join(d.choices)}")
@@ -178,14 +178,16 @@ def _refuse_conflicts(values: dict) -> None:
 
 def resolve_settings(model: str, recipe: str | None = None, overrides: dict | None = None, *,
                      source: ModelSource | None = None, config=None, **flags) -> Settings:
-    """Read the model's config (cheap) to pick its recipe, then fill every unset flag from the recipe; every value
-    and combination is checked here, before any weights or data load."""
+    """Read the model's config (cheap) to pick its recipe, then every setting: its declared default, over it the
+    recipe's value, over that the flag's (or the API's keyword); every value and combination is checked here, before
+    any weights or data load."""
     if config is None:
         source = source or resolve_source(model)
         config = load_config(source, flags.get("trust_remote_code") or False, flags.get("revision"))
     preferred = EMBEDDED_MODELS.get(model, {}).get("recipe")
     rec = load_recipe(recipe) if recipe else recipe_for(model, config.model_type, preferred)
-    values = recipe_values(rec, resolve_device(flags.get("device") or "auto").type)
+    values = {name: default_of(name) for name in declarations() if name not in ("model", "recipe", "budget")}
+    values.update(recipe_values(rec, resolve_device(flags.get("device") or "auto").type))
     values.update({key: value for key, value in flags.items() if value is not None})
     values.update(overrides or {})  # explicit values that may be None ("all")
     _check_declared(values)
