@@ -17,8 +17,9 @@ imports only earlier ones:
        -> pipeline (Settings, Inputs, the stages, decide) -> api (the public functions)
 
 ``runtime`` holds what a per-layer export needs to load (torch and transformers only); importing the package
-registers its configs with transformers' AutoConfig, so such exports load without remote code. The public names are
-imported on first use, so ``import prune_heads`` costs no more than that registration.
+registers its configs with transformers' AutoConfig (at once if transformers is loaded, else as it loads), so such
+exports load without remote code. The public names are imported on first use: ``import prune_heads`` itself imports
+neither torch nor transformers.
 
 The exporters (``exporters``) turn a selection into files; the command line (``prune_heads_cli``) chains both.
 """
@@ -62,6 +63,43 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
 
-from prune_heads.runtime import register as _register  # noqa: E402
+class _RegisterAfterTransformers:
+    """A finder on ``sys.meta_path`` that lets transformers import as usual and then registers the per-layer configs
+    with its AutoConfig (``runtime.register``), so ``import prune_heads`` imports neither torch nor transformers."""
 
-_register()
+    def find_spec(self, name, path=None, target=None):
+        import sys
+
+        if name != "transformers":
+            return None
+        sys.meta_path.remove(self)
+        spec = next((s for f in sys.meta_path if hasattr(f, "find_spec") for s in [f.find_spec(name, path, target)]
+                     if s is not None), None)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _register()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _register() -> None:
+    from prune_heads.runtime import register
+
+    register()
+
+
+def _register_with_transformers() -> None:
+    """The per-layer configs join transformers' AutoConfig now if transformers is loaded, else as it loads."""
+    import sys
+
+    if "transformers" in sys.modules:
+        _register()
+    elif not any(isinstance(f, _RegisterAfterTransformers) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterTransformers())
+
+
+_register_with_transformers()

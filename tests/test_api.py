@@ -56,10 +56,10 @@ def test_the_public_names_and_their_signatures_are_kept_and_in_the_changelog():
     assert issubclass(errors.NotSliceable, TypeError) and issubclass(errors.UnsupportedModel, errors.PruneHeadsError)
 
 
-def test_import_prune_heads_loads_no_api_and_no_extra():
+def test_import_prune_heads_loads_no_api_no_extra_and_neither_torch_nor_transformers():
     code = ("import sys, prune_heads; print(sorted(m for m in ('prune_heads.api', 'peft', 'lm_eval', 'matplotlib', "
-            "'prune_heads.pipeline', 'prune_heads_cli') if m in sys.modules)); prune_heads.score_heads; "
-            "print('prune_heads.api.scores' in sys.modules)")
+            "'prune_heads.pipeline', 'prune_heads_cli', 'torch', 'transformers') if m in sys.modules)); "
+            "prune_heads.score_heads; print('prune_heads.api.scores' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]" and out[1] == "True"
 
