@@ -35,9 +35,8 @@ class HasHeads(Protocol):
 # Heads as the public functions take them: {layer: [head, ...]} (heads.json's form), a HeadSet, or a HeadSelection.
 Heads = Union[Mapping[int, Sequence[int]], HeadSet, HasHeads]
 
-# Keyword arguments that are not a field of Settings: resolve_settings reads them (the budget's metric, the recipe by
-# its name or file).
-EXTRA_SETTINGS = ("metric", "recipe")
+# A keyword argument that is not a field of Settings: resolve_settings reads it (the budget's metric).
+EXTRA_SETTINGS = ("metric",)
 # Settings that describe how the command line loads a model, meaningless for a model already in memory.
 LOADING_SETTINGS = ("model", "device", "device_map", "max_memory", "dtype", "trust_remote_code", "allow_pickle",
                     "revision", "resume", "lora_adapter", "vllm_python", "max_shard_size", "export_format",

@@ -36,13 +36,15 @@ def recipe_values(rec: Recipe, device_type: str) -> dict:
 
 
 def _merged(name: str, value: dict) -> tuple:
-    """A recipe's per-probe values over the setting's defaults (tolerances parsed: 5pt, 0.05nat)."""
+    """A recipe's per-probe values over the setting's defaults."""
+    return tuple({**dict(default_of(name)), **value}.items())
+
+
+def _tolerances(name: str, value: dict) -> tuple:
+    """The probes' tolerances over the defaults, each parsed (5pt, 0.05nat)."""
     from prune_heads.search.guard import parse_tolerance
 
-    merged = {**dict(default_of(name)), **value}
-    if name == "guard_tolerance":
-        return tuple((probe, parse_tolerance(probe, v)) for probe, v in merged.items())
-    return tuple(merged.items())
+    return tuple((probe, parse_tolerance(probe, v)) for probe, v in _merged(name, value))
 
 
 # How a recipe's value becomes a setting's (``Declared.from_recipe``).
@@ -52,7 +54,7 @@ _CONVERSIONS = {
     "sorted": lambda name, v: tuple(sorted(set(v))),
     "probes": lambda name, v: tuple(v or ()),  # `probes: []` (or null): no guard
     "merged": _merged,
-    "tolerance": _merged,
+    "tolerance": _tolerances,
 }
 
 

@@ -27,9 +27,14 @@ def _literal(plot):
     return drawn
 
 
-def _save(fig, path: Path) -> Path:
+def _write(fig, path: Path) -> None:
+    """The figure as PNG at ``path``, written atomically."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
+
+
+def _save(fig, path: Path) -> Path:
+    _write(fig, path)
     plt.close(fig)
     return path
 
@@ -58,8 +63,7 @@ def score_figure(scores: torch.Tensor, key: str, chosen: HeadSet, path: Path | N
     ax.set_title(title or f"{key} per head ({dormant} = dormant); red: removed ({len(chosen)} heads)", fontsize=9)
     fig.colorbar(im, ax=ax, label=key)
     if path is not None:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
+        _write(fig, path)
     return fig
 
 
