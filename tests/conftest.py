@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,8 +16,10 @@ if "PRUNE_HEADS_VLLM_PYTHON" in os.environ:
 # What prune-heads keeps between runs (a GGUF's conversion, models/gguf_cache.py) goes to one directory per test run,
 # made here in the controlling process before pytest-xdist starts its workers, which inherit it: the embedded model is
 # converted by its first load and read back by the others, and the user's own cache is neither read nor written.
+# Removed when the controlling process exits (the workers are gone by then).
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["PRUNE_HEADS_CACHE_DIR"] = tempfile.mkdtemp(prefix="prune-heads-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PRUNE_HEADS_CACHE_DIR"], ignore_errors=True)
 
 # Under pytest-xdist (pyproject's addopts: one worker per core), each worker computes on its share of the cores: N
 # workers each running torch on every core would fight over them. Set before torch loads; subprocesses inherit it.
