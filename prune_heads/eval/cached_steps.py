@@ -15,6 +15,16 @@ from prune_heads.eval.encoding import EncodedTask, task_span
 from prune_heads.eval.passes import task_loglik, task_loglik_many
 from prune_heads.eval.probes import METRIC_FIELDS, ProbeResult, probe_pass
 from prune_heads.eval.results import EvalResult
+from prune_heads.eval.reuse import (
+    ResidualStore,
+    TaskStart,
+    first_changed_layer,
+    read_task,
+    read_texts,
+    reuse_limit,
+    task_bytes,
+    texts_bytes,
+)
 from prune_heads.eval.textkl import HeldOutText, TextDamage, next_token_damage
 from prune_heads.heads import HeadSet, ScoreTable
 from prune_heads.io.cache import ResultCache, digest, tokens_digest
@@ -35,6 +45,7 @@ class Work:
         self.lm, self.batch_size, self.progress, self.ranks = lm, batch_size, progress, ranks
         self.cache = ResultCache(staged.cache_dir if staged is not None else None)
         self._enc_digests: dict[int, str] = {}
+        self.reuse = ResidualStore(reuse_limit(lm))
         import transformers
 
         self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
@@ -142,7 +153,11 @@ class Work:
                "ablation": self.ablation_key(target)}
         hit = self._get("probe", key)
         if hit is None:
-            result = probe_pass(self.lm, probe, target, self.progress, label)
+            layer = first_changed_layer(target)
+            start = self.reuse.start(f"probe {probe.name}", key["tokens"], layer, texts_bytes(
+                self.lm, [it.ids for it in probe.items]), lambda: read_texts(self.lm, [it.ids for it in probe.items],
+                                                                              layer))
+            result = probe_pass(self.lm, probe, target, self.progress, label, start)
             self.cache.put("probe", key, result.to_tensors())
             return result
         return ProbeResult(probe, *(hit[f] for f in METRIC_FIELDS))
@@ -161,8 +176,10 @@ class Work:
         if todo:
             label = f"{len(todo)} head sets together ({', '.join(labels[i] for i in todo)})"
             todo_sets = [head_sets[i] for i in todo]
+            layers = [first_changed_layer(hs) for hs in todo_sets]
+            layer = None if None in layers else min(layers)
             many = self._on_task_share(enc, None, lambda part, _: task_loglik_many(
-                self.lm, part, todo_sets, self.batch_size, self.progress, label))
+                self.lm, part, todo_sets, self.batch_size, self.progress, label, self._task_start(part, layer)))
             for i, res in zip(todo, many):
                 self.cache.put("eval", self._eval_key(enc, head_sets[i])[1], {"loglik": res.loglik})
                 res.label = labels[i]
@@ -176,8 +193,11 @@ class Work:
         questions = [it.question for it in enc.items]
         if hit is not None:
             return EvalResult(questions, hit["loglik"], label)
+        # Another model's passes (lm) never start from this model's residual streams.
+        layer = first_changed_layer(target) if ablation and lm is None else None
         result = self._on_task_share(enc, target if ablation else None, lambda part, masks: [task_loglik(
-            lm or self.lm, part, masks, self.batch_size, self.progress, label=label)])[0]
+            lm or self.lm, part, masks, self.batch_size, self.progress, label=label,
+            start=self._task_start(part, layer))])[0]
         self.cache.put("eval", key, {"loglik": result.loglik})
         return result
 
@@ -190,6 +210,15 @@ class Work:
         """``evaluate_model``'s result when it is cached (a model expensive to build is then never built)."""
         hit = self._get("eval", self._eval_key(enc, None, {**self.model_key, "model": identity})[1])
         return None if hit is None else EvalResult([it.question for it in enc.items], hit["loglik"], label)
+
+    def _task_start(self, enc: EncodedTask, layer: int | None) -> TaskStart | None:
+        """Where ``enc``'s passes start for a point whose first changed layer is ``layer`` (reuse.py), None for a
+        full pass."""
+        if not layer:
+            return None
+        key = tokens_digest([it.context for it in enc.items] + [[len(s.prefix)] for s in enc.subjects])
+        return self.reuse.start(enc.task, key, layer, task_bytes(self.lm, enc),
+                                lambda: read_task(self.lm, enc, layer, self.batch_size))
 
     # -- sharing a step out across ranks (one rank: the step as it is) ---------------------------------------------
 

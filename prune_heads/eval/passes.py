@@ -23,6 +23,7 @@ from prune_heads import memory
 from prune_heads.eval.encoding import EncodedQuestion, EncodedSubject, EncodedTask
 from prune_heads.eval.prefix_cache import expanded, reservable, reserve
 from prune_heads.eval.results import EvalResult
+from prune_heads.eval.reuse import StartAt, SubjectStart, TaskStart, padded, starting_at
 from prune_heads.heads import HeadSet
 from prune_heads.models.batching import pass_budget
 from prune_heads.models.finite import finite_logits
@@ -175,22 +176,42 @@ def _fast_subject(
     batch_size: int,
     abl: "HeadAblation | None" = None,
     masks: torch.Tensor | None = None,
+    start: SubjectStart | None = None,
 ) -> list[dict[int, list[float]]]:
     """Log-likelihoods for ``rows`` (indices into subject.items), one dict per head set.
 
     ``masks`` None: one set, the ablation the caller has already set. ``masks`` [n, L, H]: n static head sets in
-    the same passes (row ``s`` of the prefix batch carries set ``s``; question chunks are laid out set-major)."""
+    the same passes (row ``s`` of the prefix batch carries set ``s``; question chunks are laid out set-major).
+    ``start``: the passes start at its layer from its kept residual streams (reuse.py)."""
     n = 1 if masks is None else masks.shape[0]
     if masks is not None:
         abl.set_mask(masks)
     # Activations in host memory only: on an accelerator the C heap holds none of them.
-    with memory.policy().per_layer(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()):
-        return _subject_passes(lm, subject, rows, batch_size, n, abl, masks)
+    with memory.policy().per_layer(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()), \
+            starting_at(lm, None if start is None else start.layer) as at:
+        return _subject_passes(lm, subject, rows, batch_size, n, abl, masks, _Feed(at, start, n))
 
 
-def _subject_passes(lm, subject, rows, batch_size, n, abl, masks) -> list[dict[int, list[float]]]:
+class _Feed:
+    """What a pass starting above layer 0 is handed: nothing for a full pass."""
+
+    def __init__(self, at: StartAt | None, start: SubjectStart | None, n: int):
+        self.at, self.start, self.n = at, start, n
+
+    def prefix(self) -> None:
+        if self.at is not None:
+            self.at.feed(self.start.prefix.expand(self.n, -1, -1))
+
+    def questions(self, chunk: Sequence[int], width: int) -> None:
+        """Set-major rows of ``chunk``'s questions, ``width`` tokens wide."""
+        if self.at is not None:
+            self.at.feed(padded([self.start.questions[r] for _ in range(self.n) for r in chunk], width))
+
+
+def _subject_passes(lm, subject, rows, batch_size, n, abl, masks, feed) -> list[dict[int, list[float]]]:
     """``_fast_subject``'s passes: the prefix once (n rows), then the questions in chunks on its KV cache."""
     model, dev = lm.model, lm.device
+    feed.prefix()
     cache = model(input_ids=torch.tensor([subject.prefix] * n, device=dev), use_cache=True, logits_to_keep=1).cache
     p = len(subject.prefix)
     order = sorted(rows, key=lambda r: -len(subject.items[r].context))
@@ -203,16 +224,17 @@ def _subject_passes(lm, subject, rows, batch_size, n, abl, masks) -> list[dict[i
     out: list[dict[int, list[float]]] = [{} for _ in range(n)]
     for start in range(0, len(order), chunk_size):
         chunk = order[start : start + chunk_size]
-        padded = chunk + chunk[-1:] * (widest - len(chunk)) if reserved and n > 1 else chunk
-        ids, lengths = _suffix_ids(subject, padded, n, p)
+        padded_chunk = chunk + chunk[-1:] * (widest - len(chunk)) if reserved and n > 1 else chunk
+        ids, lengths = _suffix_ids(subject, padded_chunk, n, p)
         if masks is not None:
-            abl.set_mask(masks.repeat_interleave(len(padded), dim=0))
+            abl.set_mask(masks.repeat_interleave(len(padded_chunk), dim=0))
+        feed.questions(padded_chunk, ids.shape[1])
         # Right padding needs no attention mask: under the causal mask, pads after a row's last real token
         # never reach it. Logits are computed only at the positions where some row ends.
         ends = sorted(set(m - 1 for m in lengths))
         logits = model(
             input_ids=ids.to(dev),
-            cache=cache if reserved else expanded(cache, len(padded)),
+            cache=cache if reserved else expanded(cache, len(padded_chunk)),
             use_cache=True,
             logits_to_keep=torch.tensor(ends, device=dev),
         ).logits  # [n*c, len(ends), V]
@@ -221,7 +243,7 @@ def _subject_passes(lm, subject, rows, batch_size, n, abl, masks) -> list[dict[i
         memory.policy().after_pass()
         for s in range(n):
             for q, r in enumerate(chunk):
-                lp = _logprobs_at(logits[s * len(padded) + q, ends.index(lengths[q] - 1)])
+                lp = _logprobs_at(logits[s * len(padded_chunk) + q, ends.index(lengths[q] - 1)])
                 out[s][r] = [float(lp[t[0]]) for t in subject.items[r].continuations]
     return out
 
@@ -236,6 +258,10 @@ def _suffix_ids(subject: EncodedSubject, chunk: Sequence[int], n: int, p: int) -
         for q, x in enumerate(suffixes):
             ids[s * c + q, : len(x)] = torch.tensor(x)
     return ids, lengths
+
+
+def _subject_start(start: TaskStart | None, k: int) -> SubjectStart | None:
+    return None if start is None else start.subjects[k]
 
 
 class _NoAblation:
@@ -256,9 +282,11 @@ def task_loglik(
     batch_size: int = 8,
     progress: bool = True,
     label: str = "",
+    start: TaskStart | None = None,
 ) -> EvalResult:
     """``masks`` as in MaskSpec. One mask for every question: the fast path per subject (shared prefix), the batched
-    path for the questions it cannot take. A mask per question (dynamic ablation): the batched path, row by row."""
+    path for the questions it cannot take. A mask per question (dynamic ablation): the batched path, row by row.
+    ``start``: the fast path starts at its layer from the residual streams kept there (reuse.py)."""
     get_mask = _mask_getter(lm, masks)
     loglik = empty_loglik(enc)
     items = enc.items
@@ -272,11 +300,12 @@ def task_loglik(
             return EvalResult([it.question for it in items], loglik, label)
         abl.set_mask(get_mask(0))
         offset, slow = 0, []
-        for subject in tqdm(
+        for k, subject in enumerate(tqdm(
             enc.subjects, desc=desc, unit="subject", disable=not progress or len(enc.subjects) < 2, leave=False
-        ):
+        )):
             fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
-            results = _fast_subject(lm, subject, fast_rows, batch_size)[0] if fast_rows else {}
+            results = _fast_subject(lm, subject, fast_rows, batch_size, start=_subject_start(start, k))[0] \
+                if fast_rows else {}
             for r, ll in results.items():
                 _store(loglik, offset + r, ll)
             slow += [offset + r for r, it in enumerate(subject.items) if not it.fast]
@@ -303,24 +332,6 @@ def _batched_all(lm, items, batch_size, abl, row_masks, progress, desc) -> list[
     return out
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 @torch.no_grad()
 def task_loglik_many(
     lm: LoadedModel,
@@ -329,6 +340,7 @@ def task_loglik_many(
     batch_size: int = 8,
     progress: bool = True,
     label: str = "",
+    start: TaskStart | None = None,
 ) -> list[EvalResult]:
     """Evaluate several static head sets in the same forward passes: row ``s`` of every batch carries head set
     ``s``'s mask (the ablation is per row). Per subject, one prefix pass of ``len(head_sets)`` rows, then each
@@ -339,16 +351,17 @@ def task_loglik_many(
     items = enc.items
     offset, slow = 0, []
     with HeadAblation(lm) as abl, finite_logits(lm, enc.task, head_sets[0] if n == 1 else f"{n} head sets in one pass"):
-        for subject in tqdm(
+        for k, subject in enumerate(tqdm(
             enc.subjects,
             desc=f"{enc.task} {label}".strip(),
             unit="subject",
             disable=not progress or len(enc.subjects) < 2,
             leave=False,
-        ):
+        )):
             fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
             if fast_rows:
-                for s, results in enumerate(_fast_subject(lm, subject, fast_rows, batch_size, abl, masks)):
+                starting = _subject_start(start, k)
+                for s, results in enumerate(_fast_subject(lm, subject, fast_rows, batch_size, abl, masks, starting)):
                     for r, ll in results.items():
                         _store(loglik[s], offset + r, ll)
             slow += [offset + r for r, it in enumerate(subject.items) if not it.fast]

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from prune_heads.data.probes import ProbeItem, ProbeSet
+from prune_heads.eval.reuse import StartAt, TaskStart, starting_at
 from prune_heads.heads import HeadSet
 from prune_heads.models.finite import finite_logits
 from prune_heads.models.loading import LoadedModel
@@ -68,9 +69,13 @@ class ProbeResult:
         return f"{what} " + ", ".join(parts) + f" ({len(self.probe.items)} prompts)"
 
 
-def _target_logits(lm: LoadedModel, item: ProbeItem) -> torch.Tensor:
-    """The logits predicting each target token, as the model computes them: ``[target, vocab]``."""
+def _target_logits(lm: LoadedModel, item: ProbeItem, at: StartAt | None = None,
+                   kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits predicting each target token, as the model computes them: ``[target, vocab]`` (from the residual
+    stream ``kept`` entering ``at``'s layer, when the pass starts there)."""
     ids = torch.tensor([item.ids], device=lm.device)
+    if at is not None:
+        at.feed(kept[None])
     return lm.model(input_ids=ids, use_cache=False, logits_to_keep=item.target + 1).logits[0, :-1]
 
 
@@ -97,21 +102,25 @@ def _item_values(logits: torch.Tensor, gold: torch.Tensor, reference: torch.Tens
 
 @torch.no_grad()
 def probe_pass(lm: LoadedModel, probe: ProbeSet, masks: "HeadSet | PrunePlan | torch.Tensor | None",
-               progress: bool = False, label: str = "") -> ProbeResult:
+               progress: bool = False, label: str = "", start: TaskStart | None = None) -> ProbeResult:
     """Every item of ``probe`` read with ``masks`` ablated (None: the model as it is); a ``[N, L, H]`` tensor holds
-    one mask per item (study's dynamic ablation)."""
+    one mask per item (study's dynamic ablation). ``start``: each read starts at its layer from the item's kept
+    residual stream (reuse.py)."""
     n = len(probe.items)
     per_item = isinstance(masks, torch.Tensor) and masks.dim() == 3
     values = {f: torch.zeros(n, dtype=torch.float64) for f in METRIC_FIELDS}
     ablated = masks is not None and not (isinstance(masks, HeadSet) and not masks)
-    with HeadAblation(lm) as abl, finite_logits(lm, f"the long-context probe {probe.name}", masks if ablated else None):
+    checked = masks if ablated else None
+    with HeadAblation(lm) as abl, finite_logits(lm, f"the long-context probe {probe.name}", checked), \
+            starting_at(lm, None if start is None else start.layer) as at:
         for i, item in enumerate(tqdm(probe.items, desc=label or probe.name, disable=not progress, leave=False)):
             gold = torch.tensor(item.ids[-item.target:], device=lm.device)
+            kept = None if at is None else start.texts[i]
             reference = None
             if probe.metric == "kl" and ablated:
                 abl.set_mask(None)
-                reference = _target_logits(lm, item)
+                reference = _target_logits(lm, item, at, kept)
             abl.set_mask((masks[i] if per_item else masks) if ablated else None)
-            for field, value in _item_values(_target_logits(lm, item), gold, reference).items():
+            for field, value in _item_values(_target_logits(lm, item, at, kept), gold, reference).items():
                 values[field][i] = value
     return ProbeResult(probe, *(values[f] for f in METRIC_FIELDS))
