@@ -95,6 +95,9 @@ PROBE_WORDS = {
 def _probe_row(probe: str, length: str, r: dict) -> str:
     if r["unit"] == "nat":
         original, pruned = "0 (reference)", f"KL {r['pruned']:.4f} nat"
+    elif r.get("measure") == "probability":  # judged by the probability; the read rate beside it
+        original, pruned = (f"{_pct(r[f'read_{side}'])} read, probability {_pct(r[side])}"
+                            for side in ("original", "pruned"))
     else:
         original, pruned = _pct(r["original"]), _pct(r["pruned"])
     return (f"| {probe} | {length} | {r['prompts']} | {original} | {pruned} | {r['change']:+.3g} {r['unit']} "
@@ -120,6 +123,10 @@ def _long_context(meta: dict) -> list[str]:
               + f" change must stay within the tolerance), measured on the verified ablation{when}, which the export "
               "equals (see Verification):", ""]
     lines += [f"- **{name}**: {PROBE_WORDS[name]}" for name in chosen["per_length"]]
+    if any(r.get("measure") == "probability" for rows in chosen["per_length"].values() for r in rows.values()):
+        lines += ["", "Pass key and copy are judged by the probability the model gives the key and each copied token "
+                  "(teacher-forced), which every token's log-likelihood moves; the read rates (what greedy decoding "
+                  "writes) are shown beside it."]
     lines += ["", "| probe | tokens | prompts | original | this model | lost (text: KL) [95% CI] | tolerance |",
               "|---|---|---|---|---|---|---|"]
     for probe, rows in chosen["per_length"].items():

@@ -19,6 +19,7 @@ class StageClock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.peak_rss: dict[str, int] = {}  # stage -> the process's peak resident set when it last ended, bytes
+        self.layer_tokens: dict[str, int] = {}  # stage -> tokens read by decoder layers (rows x tokens x layers run)
         self._running: list[str] = []
         self._since = time.perf_counter()
         self.started = self._since
@@ -42,6 +43,11 @@ class StageClock:
             if peak and peak > max(self.peak_rss.values(), default=0):
                 self.peak_rss[name] = peak  # this stage raised the process's peak
 
+    def read(self, tokens: int) -> None:
+        """``tokens`` went through one decoder layer, charged to the innermost running stage (``other`` outside)."""
+        name = self._running[-1] if self._running else "other"
+        self.layer_tokens[name] = self.layer_tokens.get(name, 0) + tokens
+
     @property
     def total(self) -> float:
         """Seconds since the clock started (stages and what ran between them)."""
@@ -54,7 +60,8 @@ class StageClock:
         staged = sum(self.seconds.values())
         return {"stages": {k: round(v, 2) for k, v in self.seconds.items() if v >= 0.01},
                 "other": round(max(total - staged, 0.0), 2), "total": round(total, 2),
-                "peak_rss_mb": {k: round(v / 2**20, 1) for k, v in self.peak_rss.items()}}
+                "peak_rss_mb": {k: round(v / 2**20, 1) for k, v in self.peak_rss.items()},
+                "layer_tokens": dict(self.layer_tokens)}
 
     def describe(self, top: int = 4) -> str:
         """``5 min 12 s (search 140 s, export 61 s, ...)``: the total and the dearest stages."""

@@ -12,7 +12,7 @@ from tiny import run_cli, save_tiny, tiny_model
 
 from prune_heads.data.probes import FILLER, ProbeItem, ProbeSet, copy_probe, passkey_probe, probe_lengths, text_probe
 from prune_heads.errors import UserError
-from prune_heads.eval.probes import ProbeResult
+from prune_heads.eval.probes import METRIC_FIELDS, ProbeResult
 from prune_heads.search.guard import compare, parse_tolerance
 
 
@@ -97,9 +97,8 @@ def test_probe_lengths_below_64_tokens_are_refused():
 def _result(probe: ProbeSet, **values) -> ProbeResult:
     n = len(probe.items)
     zeros = torch.zeros(n, dtype=torch.float64)
-    got = {f: torch.tensor(values[f], dtype=torch.float64) if f in values else zeros
-           for f in ("nll", "token_accuracy", "match", "kl")}
-    return ProbeResult(probe, got["nll"], got["token_accuracy"], got["match"], got["kl"])
+    got = {f: torch.tensor(values[f], dtype=torch.float64) if f in values else zeros for f in METRIC_FIELDS}
+    return ProbeResult(probe, **got)
 
 
 def _probe(metric: str) -> ProbeSet:
@@ -168,8 +167,8 @@ def _failing_first(monkeypatch, failures: int | None):
 
     real, checks = guard.compare, []
 
-    def compare(original, pruned, tolerance, rule):
-        rows = real(original, pruned, tolerance, rule)
+    def compare(original, pruned, tolerance, rule, *measure):
+        rows = real(original, pruned, tolerance, rule, *measure)
         if original.probe.name == "copy":  # the cheapest probe: read first in every check
             checks.append(1)
         refuse = failures is None or len(checks) <= failures
@@ -393,6 +392,7 @@ def test_an_unresolved_guard_warns_and_sizes_itself_through_the_main_command(mod
     import prune_heads.search.guard_sizing as sizing
 
     monkeypatch.setattr(sizing, "edge_sd", lambda base, pilot, tolerance: 100 * (0.05 * 0.95) ** 0.5)
+    monkeypatch.setattr(sizing, "probability_edge_sd", lambda base, pilot: 100 * (0.05 * 0.95) ** 0.5)
     report, err = _run(model_dir, tmp_path / "auto", capsys)
     g = report["guard"]
     assert g["sizing"]["prompts"]["passkey"] > 4 and "long-context guard sized to resolve its tolerances" in err
@@ -411,3 +411,59 @@ def test_an_unresolved_guard_warns_and_sizes_itself_through_the_main_command(mod
     assert not passkey["resolves_tolerance"] and passkey["prompts_to_resolve"] == 73
     assert "the long-context guard cannot resolve its tolerance for passkey at 512 tokens: 4 prompts" in err
     assert "73 prompts would" in err
+
+
+# -- the default measure: probabilities, the read rates beside them -------------------------------------------------
+
+
+def test_pass_key_and_copy_are_judged_by_probabilities_with_the_read_rates_beside():
+    probe = ProbeSet("passkey", _probe("match").items, "match")
+    original = _result(probe, match=[1, 1, 1, 1, 1, 1], p_match=[0.8, 0.7, 0.9, 0.6, 0.5, 0.5])
+    pruned = _result(probe, match=[1, 1, 1, 0, 1, 1], p_match=[0.7, 0.7, 0.8, 0.4, 0.5, 0.5])
+    short, _ = compare(original, pruned, tolerance=5.0, rule="point", measure="probability")
+    # per prompt 10, 0, 10, 20 points of key probability: mean 10, sd 8.165, se 4.08
+    assert short.change == pytest.approx(10.0) and short.ci_low == pytest.approx(10 - 1.96 * 8.165 / 2, rel=1e-3)
+    assert (short.original, short.pruned) == (pytest.approx(0.75), pytest.approx(0.65)) and not short.ok
+    assert (short.read_original, short.read_pruned, short.measure) == (1.0, 0.75, "probability")
+    assert "keys retrieved 100.0% -> 75.0%, key probability 75.0% -> 65.0%, +10 pt" in short.describe()
+    assert short.to_json()["read_pruned"] == 0.75
+    rates = compare(original, pruned, tolerance=5.0, rule="point", measure="rate")[0]
+    assert rates.change == pytest.approx(25.0) and "read_original" not in rates.to_json()
+    copy = _probe("token_accuracy")
+    soft = compare(_result(copy, p_token=[0.3] * 6), _result(copy, p_token=[0.28] * 6), 5.0, "point", "probability")
+    assert soft[0].change == pytest.approx(2.0) and soft[0].ok
+
+
+def test_a_probability_probes_edge_sd_is_the_pilots_pooled_sd_at_its_upper_confidence_limit():
+    """Lengths 256 (4 prompts) and 1024 (2): changes 0, 2, 4, 6 and 1, 3 points: pooled variance (20/3 x 3 + 2 x 1)
+    / 4 = 5.5 on 4 degrees of freedom; the 95% upper limit of the sd is sqrt(4 x 5.5 / 0.7107) = 5.56 points."""
+    from prune_heads.search.guard_sizing import chi2_05, probability_edge_sd, resolutions
+
+    probe = _probe("match")
+    base = _result(probe, p_match=[0.5] * 6)
+    pilot = _result(probe, p_match=[0.5, 0.48, 0.46, 0.44, 0.49, 0.47])
+    assert probability_edge_sd(base, pilot) == pytest.approx((4 * 5.5 / 0.7107) ** 0.5, rel=1e-4)
+    rows = resolutions((base,), (pilot,), {"copy": 5.0}, measure="probability")
+    assert [r.edge_sd for r in rows] == [pytest.approx(5.564, rel=1e-3)] * 2
+    assert rows[0].prompts_for(5.0) == 5 and rows[0].resolves is False  # 4 prompts: +/-5.45
+    one = ProbeSet("copy", (ProbeItem((1, 2, 3), 1, 256),), "match")
+    assert probability_edge_sd(_result(one, p_match=[1.0]), _result(one, p_match=[0.5])) == float("inf")
+    assert chi2_05(30) == pytest.approx(18.4927) and chi2_05(40) == pytest.approx(26.5093, rel=1e-3)
+
+
+def test_a_probes_probabilities_are_those_of_the_target_tokens():
+    from tiny import tiny_model
+
+    from prune_heads.eval.probes import probe_pass
+
+    lm = tiny_model("llama")
+    probe = copy_probe(lm, (128,), 2, seed=3)
+    result = probe_pass(lm, probe, None)
+    for i, item in enumerate(probe.items):
+        with torch.no_grad():
+            logits = lm.model(input_ids=torch.tensor([item.ids])).logits[0, -item.target - 1 : -1]
+        gold = torch.tensor(item.ids[-item.target:])
+        p = torch.softmax(logits.double(), -1).gather(-1, gold[:, None])[:, 0]
+        assert float(result.p_token[i]) == pytest.approx(float(p.mean()), rel=1e-4)
+        assert float(result.p_match[i]) == pytest.approx(float(p.prod()), rel=1e-3, abs=1e-300)
+        assert float(result.nll[i]) == pytest.approx(float(-p.log().mean()), rel=1e-4)

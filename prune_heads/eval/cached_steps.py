@@ -148,7 +148,7 @@ class Work:
     def probe(self, probe: ProbeSet, target, label: str = "") -> ProbeResult:
         """A long-context probe with ``target`` ablated (None: unablated), cached like evaluations. Every rank reads
         every item (probes are a few dozen prompts)."""
-        key = {**self.model_key, "what": "probe", "probe": probe.name, "metric": probe.metric,
+        key = {**self.model_key, "what": "probe", "probe": probe.name, "metric": probe.metric, "fields": METRIC_FIELDS,
                "tokens": tokens_digest([list(it.ids) + [it.target, it.length] for it in probe.items]),
                "ablation": self.ablation_key(target)}
         hit = self._get("probe", key)

@@ -3,9 +3,17 @@
 Per item: the mean loss of the target tokens (nats per token), the share of them that are the argmax given the ones
 before (token accuracy), whether all are (match: what greedy decoding would write), and for ``kl`` probes the mean
 next-token KL from the unablated model over the target positions (a second, unablated read of the same item).
+
+Beside those read rates, their probabilities (what the guard judges, search/guard.py): ``p_match``, the probability
+the model gives the whole target (the key, teacher-forced: exp of minus its summed loss), and ``p_token``, the mean
+probability it gives each target token. A read rate turns on a threshold (a key is written or not), so a prompt says
+one bit; the probabilities move with every token's log-likelihood, so each prompt says more, and paired per prompt
+their changes have a far smaller spread (on the embedded model, 1/6 to 1/40 of the read rates' at 512 and 2,048
+tokens, benchmarks/RESULTS.md 52c).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,19 +27,22 @@ from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.ablation import HeadAblation
 from prune_heads.plan.planner import PrunePlan
 
-METRIC_FIELDS = ("nll", "token_accuracy", "match", "kl")
+METRIC_FIELDS = ("nll", "token_accuracy", "match", "kl", "p_match", "p_token")
 
 
 @dataclass
 class ProbeResult:
     """Per item of ``probe`` (in its order): ``nll`` (nats/token), ``token_accuracy`` and ``match`` (0/1), ``kl``
-    (nats; zeros where not measured or unablated), float64 tensors of ``[len(probe.items)]``."""
+    (nats; zeros where not measured or unablated), ``p_match`` and ``p_token`` (probabilities), float64 tensors of
+    ``[len(probe.items)]``."""
 
     probe: ProbeSet
     nll: torch.Tensor
     token_accuracy: torch.Tensor
     match: torch.Tensor
     kl: torch.Tensor
+    p_match: torch.Tensor
+    p_token: torch.Tensor
 
     def metric(self) -> torch.Tensor:
         """The values the probe is judged by."""
@@ -84,20 +95,23 @@ CHUNK = 128  # target positions turned into float32 log-probabilities at a time 
 
 
 def _item_values(logits: torch.Tensor, gold: torch.Tensor, reference: torch.Tensor | None) -> dict[str, float]:
-    """One item's nll, token accuracy, match and KL from the unablated ``reference`` logits (when given), computed
-    over the target positions a chunk at a time."""
-    nll, hits, kl = 0.0, [], 0.0
+    """One item's nll, token accuracy, match, KL from the unablated ``reference`` logits (when given) and the target's
+    probabilities, computed over the target positions a chunk at a time."""
+    nll, hits, kl, p_token = 0.0, [], 0.0, 0.0
     for start in range(0, logits.shape[0], CHUNK):
         logp = torch.log_softmax(logits[start:start + CHUNK].float(), dim=-1)
         want = gold[start:start + CHUNK]
-        nll += float(-logp.gather(-1, want[:, None]).double().sum())
+        gold_logp = logp.gather(-1, want[:, None]).double()
+        nll -= float(gold_logp.sum())
+        p_token += float(gold_logp.exp().sum())
         hits.append(logp.argmax(-1) == want)
         if reference is not None:
             ref = torch.log_softmax(reference[start:start + CHUNK].float(), dim=-1)
             kl += float((ref.exp() * (ref - logp)).sum(-1).clamp(min=0).double().sum())
     hit = torch.cat(hits).double()
     n = gold.numel()
-    return {"nll": nll / n, "token_accuracy": float(hit.mean()), "match": float(hit.min()), "kl": kl / n}
+    return {"nll": nll / n, "token_accuracy": float(hit.mean()), "match": float(hit.min()), "kl": kl / n,
+            "p_match": math.exp(-nll), "p_token": p_token / n}
 
 
 @torch.no_grad()

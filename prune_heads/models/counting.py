@@ -6,9 +6,10 @@ store ``lm_head.weight`` beside the embedding; transformers ties it on load).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 TIED_HEAD = "lm_head.weight"
 
@@ -46,3 +47,22 @@ def safetensors_shapes(paths: Iterable[str | Path]) -> dict[str, tuple[int, ...]
 def checkpoint_parameters(paths: Iterable[str | Path], config) -> int:
     """Parameters stored in a checkpoint's safetensors files, as the model they load into has them."""
     return count_parameters(safetensors_shapes(paths), is_tied(config))
+
+
+@contextlib.contextmanager
+def layer_tokens_counted(decoder_layers) -> Iterator[None]:
+    """Inside, every token a decoder layer reads (rows x tokens of its input) is charged to the run's clock
+    (timings.StageClock.read): what each stage read, layer by layer (a pass that starts above layer 0 is charged
+    only for the layers it runs)."""
+    from prune_heads import timings
+
+    def count(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        timings.clock().read(int(hidden.shape[0]) * int(hidden.shape[1]))
+
+    handles = [layer.register_forward_pre_hook(count, with_kwargs=True) for layer in decoder_layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from prune_heads.console import say
 from prune_heads.heads import score_direction
+from prune_heads.models.counting import layer_tokens_counted
 from prune_heads.pipeline.run_report import prune_report
 from prune_heads.pipeline.stages import (
     Run,
@@ -56,7 +57,13 @@ class Decision:
 
 
 def decide(run: Run) -> Decision:
-    """Score, search, guard and confirm: the heads the budget lets go, as the main command chooses them."""
+    """Score, search, guard and confirm: the heads the budget lets go, as the main command chooses them (the tokens
+    each stage reads, layer by layer, counted on the run's clock)."""
+    with layer_tokens_counted(run.lm.arch.decoder_layers(run.lm.model)):
+        return _decided(run)
+
+
+def _decided(run: Run) -> Decision:
     with stage("sizing"):
         run, resolution = sized_to_budget(run)  # from here on run.settings (with --mmlu-per-subject auto: sized)
     with stage("scoring"):
@@ -117,4 +124,7 @@ def decision_report(decision: Decision, warnings: list[str], confirmation: dict,
     report["resolution"] = resolution.to_json(full_task_size(run)) if resolution else None
     report["guard"] = guarded
     report["search_points"] = mark_refusals(report["search_points"], confirmation, guarded)
+    # What the points started from (eval/reuse.py): per task or probe and layer, the residual streams kept, their
+    # bytes and tokens, how often they were read and how many passes started from them.
+    report["layer_reuse"] = run.work.reuse.summary()
     return report

@@ -289,6 +289,11 @@ class Settings:
     calibrate_probes: bool = declared(
         False, "Score heads on the probes' prompts too, so heads active only on long contexts are not ranked "
         "dormant.", commands="main", kind="switch", recipe="guard.calibrate", recipe_type=StrictBool | None)
+    guard_measure: str = declared(
+        "probability", "What pass key and copy are judged by: probability (of the key, of each copied token: paired "
+        "per prompt, it moves with every token's log-likelihood, so few prompts resolve the tolerance) or rate (keys "
+        "retrieved, tokens predicted: what greedy decoding writes). The rates are reported either way.", flag=None,
+        recipe="guard.measure", recipe_type=Literal["probability", "rate"] | None)
     guard_sizing: str = declared(
         "auto", "auto: passkey and copy prompts sized to resolve their tolerance; fixed: the recipe's counts.",
         flag=None, recipe="guard.sizing", recipe_type=Literal["auto", "fixed"] | None)

@@ -251,7 +251,8 @@ def guard_for(run: Run, pilot=None) -> Guard | None:
     s = run.settings
     if not s.guard:
         return None
-    guard = Guard.measured(run.work, GuardSetup(probes_for(run, s.guard), s.guard_tolerance, s.budget.rule))
+    guard = Guard.measured(run.work, GuardSetup(probes_for(run, s.guard), s.guard_tolerance, s.budget.rule,
+                                                s.guard_measure))
     if pilot is not None:
         guard = _resolved(run, guard, pilot)
     for base in guard.baselines:
@@ -268,14 +269,14 @@ def _resolved(run: Run, guard: Guard, pilot) -> Guard:
     """The guard with its resolution predicted from a pilot read, re-built at the sizing's prompt counts when
     `sizing` is auto (the sizing is cached: a resumed run takes the same)."""
     s, probes = run.settings, guard.setup.probes
-    rows = resolutions(guard.baselines, guard.read_all(pilot, "pilot"), guard.tolerances)
+    rows = resolutions(guard.baselines, guard.read_all(pilot, "pilot"), guard.tolerances, s.guard_measure)
     generated = sorted(p.name for p in probes if p.name in GENERATED)
     if s.guard_sizing != "auto" or not generated:
         guard.resolution = rows
         return guard
     current = {p.name: len(p.items) // len(p.lengths) for p in probes}
     key = {"probes": [p.to_json() for p in probes], "tolerance": guard.tolerances, "pilot": run.work.ablation_key(
-        pilot), "max_tokens": s.guard_max_tokens, "max_prompts": s.guard_max_prompts}
+        pilot), "max_tokens": s.guard_max_tokens, "max_prompts": s.guard_max_prompts, "measure": s.guard_measure}
     hit = run.work.recall("guard_sizing", key)
     if hit is None:
         hit = run.work.remember("guard_sizing", key, size(rows, current, s.guard_max_tokens,
@@ -283,7 +284,8 @@ def _resolved(run: Run, guard: Guard, pilot) -> Guard:
     sizing = Sizing.from_tensors(generated, hit)
     if any(sizing.prompts[p] != current[p] for p in generated):
         spent = guard.seconds
-        setup = GuardSetup(probes_for(run, s.guard, prompts=sizing.prompts), s.guard_tolerance, s.budget.rule)
+        setup = GuardSetup(probes_for(run, s.guard, prompts=sizing.prompts), s.guard_tolerance, s.budget.rule,
+                           s.guard_measure)
         guard = Guard.measured(run.work, setup)
         guard.seconds += spent
         rows = [r.at(sizing.prompts.get(r.probe, r.prompts)) for r in rows]

@@ -1,9 +1,12 @@
 """The long-context guard: a point the budget accepts must also keep every long-context probe (data/probes.py) within
 a stated tolerance of the unablated model, at every probed length.
 
-Per probe and length, each prompt is paired with itself unablated: the drop of its pass-key match or copy token
-accuracy (in points), or its next-token KL on the user's texts (in nats), with the mean and a 95% interval over the
-prompts. Under the run's decision rule, ``point`` judges the mean, and ``confident`` refuses a point only when the
+Per probe and length, each prompt is paired with itself unablated: the drop (in points) of the probability it gives
+the pass key or each copied token (the default ``measure``, ``probability``: every token's log-likelihood moves it, so
+a prompt says far more than whether greedy decoding wrote the key; the read rates users read, keys retrieved and
+tokens predicted, are shown beside it) or, with ``measure: rate``, of its pass-key match or copy token accuracy
+themselves, or its next-token KL on the user's texts (in nats), with the mean and a 95% interval over the prompts.
+Under the run's decision rule, ``point`` judges the mean, and ``confident`` refuses a point only when the
 interval says so (its lower end beyond the tolerance). What the prompts resolve is predicted before the guard judges,
 and by default the generated probes are sized to resolve their tolerances (guard_sizing.py). A point
 that fails is refused with the probe, the length and the numbers, like a failed confirmation, and the next passing
@@ -20,7 +23,7 @@ from prune_heads.data.probes import ProbeSet
 from prune_heads.errors import UserError
 from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.probes import ProbeResult
-from prune_heads.search.guard_sizing import ProbeResolution, Sizing
+from prune_heads.search.guard_sizing import ProbeResolution, Sizing, judged
 from prune_heads.timings import stage
 
 UNITS = {"match": "pt", "token_accuracy": "pt", "kl": "nat"}
@@ -51,6 +54,7 @@ class GuardSetup:
     probes: tuple[ProbeSet, ...]
     tolerances: tuple[tuple[str, float], ...]
     rule: str = "point"
+    measure: str = "probability"  # probability | rate: what pass key and copy are judged by
 
     def tolerance(self, name: str) -> float:
         return dict(self.tolerances).get(name, DEFAULT_TOLERANCE[name])
@@ -71,32 +75,49 @@ class ProbeComparison:
     tolerance: float
     unit: str
     ok: bool
+    measure: str = "rate"  # what original, pruned and change are of: rate | probability | kl
+    read_original: float | None = None  # the read rate beside a probability (keys retrieved, tokens predicted)
+    read_pruned: float | None = None
 
     def to_json(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()
+                if v is not None}
 
     def describe(self) -> str:
-        scale = 100.0 if self.unit == "pt" else 1.0
-        what = "KL" if self.unit == "nat" else f"{self.original * scale:.1f}% -> {self.pruned * scale:.1f}%"
+        if self.unit == "nat":
+            what = "KL"
+        elif self.measure == "probability":
+            what = (f"{READS[self.probe]} {100 * self.read_original:.1f}% -> {100 * self.read_pruned:.1f}%, "
+                    f"{PROBABILITIES[self.probe]} {100 * self.original:.1f}% -> {100 * self.pruned:.1f}%")
+        else:
+            what = f"{self.original * 100:.1f}% -> {self.pruned * 100:.1f}%"
         return (f"{self.probe} at {self.length} tokens: {what}, {self.change:+.3g} {self.unit} "
                 f"[{self.ci_low:+.3g}, {self.ci_high:+.3g}] (tolerance {self.tolerance:g} {self.unit})")
 
 
-def compare(original: ProbeResult, pruned: ProbeResult, tolerance: float, rule: str) -> list[ProbeComparison]:
-    """Per length, each prompt paired with itself unablated: the change, its 95% interval and the verdict."""
+READS = {"passkey": "keys retrieved", "copy": "tokens predicted"}
+PROBABILITIES = {"passkey": "key probability", "copy": "token probability"}
+
+
+def compare(original: ProbeResult, pruned: ProbeResult, tolerance: float, rule: str,
+            measure: str = "rate") -> list[ProbeComparison]:
+    """Per length, each prompt paired with itself unablated: the change of what ``measure`` judges (guard_sizing's
+    ``judged``), its 95% interval and the verdict."""
     rows = []
     for n in original.probe.lengths:
         a, b = original.at_length(n), pruned.at_length(n)
         unit = UNITS[original.probe.metric]
-        change = (b.kl if unit == "nat" else (a.metric() - b.metric()) * 100.0).double()
+        change = b.kl.double() if unit == "nat" else (judged(a, measure) - judged(b, measure)) * 100.0
         mean = float(change.mean())
         se = float(change.std()) / len(change) ** 0.5 if len(change) > 1 else 0.0
         low, high = mean - 1.96 * se, mean + 1.96 * se
         ok = (low if rule == "confident" else mean) <= tolerance + 1e-9  # confident: refused only when sure
-        pruned_mean = float(b.kl.mean()) if unit == "nat" else float(b.metric().mean())
-        original_mean = 0.0 if unit == "nat" else float(a.metric().mean())
+        pruned_mean = float(b.kl.mean()) if unit == "nat" else float(judged(b, measure).mean())
+        original_mean = 0.0 if unit == "nat" else float(judged(a, measure).mean())
+        kind = "kl" if unit == "nat" else measure
+        reads = (float(a.metric().mean()), float(b.metric().mean())) if kind == "probability" else (None, None)
         rows.append(ProbeComparison(original.probe.name, n, len(change), original_mean, pruned_mean, mean, low, high,
-                                    tolerance, unit, ok))
+                                    tolerance, unit, ok, kind, *reads))
     return rows
 
 
@@ -163,14 +184,14 @@ class Guard:
         order = sorted(zip(self.setup.probes, self.baselines), key=lambda pb: sum(len(it.ids) for it in pb[0].items))
         for probe, base in order:
             result = self.work.probe(probe, target, f"{probe.name}, {label}")
-            rows += compare(base, result, self.setup.tolerance(probe.name), self.setup.rule)
+            rows += compare(base, result, self.setup.tolerance(probe.name), self.setup.rule, self.setup.measure)
             if not all(r.ok for r in rows):
                 break
         return GuardVerdict(tuple(rows))
 
     def to_json(self) -> dict:
         """What the guard checks, and the unablated model's results per probe and length."""
-        return {"enabled": True, "rule": self.setup.rule, "tolerance": self.tolerances,
+        return {"enabled": True, "rule": self.setup.rule, "measure": self.setup.measure, "tolerance": self.tolerances,
                 "probes": [p.to_json() for p in self.setup.probes],
                 "original": {b.probe.name: b.summary() for b in self.baselines},
                 "resolution": [r.to_json() for r in self.resolution],

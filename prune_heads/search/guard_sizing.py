@@ -13,6 +13,12 @@ pilot ablation (the search's choice, the first point the guard judges), never be
   (on the embedded model, 2 copy prompts of the 9-head point showed +/-2.7 where 5 showed +/-13);
 - ``kl`` (the user's texts): a scale quantity, the pilot's coefficient of variation times the tolerance.
 
+Under the guard's default measure, ``probability`` (search/guard.py), pass-key and copy prompts are judged by the
+probabilities the model gives the key and each repeated token, which move with every token's log-likelihood instead of
+flipping at a threshold: the concentrated-loss bound above describes read rates, not them. Their sd is the pilot's,
+pooled over the probe's lengths, taken at its one-sided 95% upper confidence limit (``sd sqrt(k / chi2_0.05(k))`` on
+``k`` degrees of freedom), so that a pilot of a few prompts that happened to agree cannot size the probe too small.
+
 Pass-key and copy prompts are generated, so they are what buys resolution: sized ``auto``, each gets the prompts its
 worst length needs, within ``max_prompts`` and within ``max_tokens`` read per point (the cap on the guard's time,
 in tokens so that two runs, or two ranks, of the same command size alike; a timed cap made torchrun's ranks and a
@@ -71,7 +77,8 @@ class ProbeResolution:
 
 
 def edge_sd(base: ProbeResult, pilot: ProbeResult, tolerance: float) -> float:
-    """Per-prompt sd of a point at the tolerance's edge, at one length (see the module's docstring)."""
+    """Per-prompt sd of a point at the tolerance's edge, at one length, judged by read rates or KL (see the module's
+    docstring)."""
     if base.probe.metric == "kl":
         return coefficient_of_variation(pilot.kl.double()) * tolerance
     change = (base.metric() - pilot.metric()).double() * 100.0
@@ -83,17 +90,53 @@ def edge_sd(base: ProbeResult, pilot: ProbeResult, tolerance: float) -> float:
     return max(observed, 100.0 * a * math.sqrt(b * (1 - b)))
 
 
+# chi2's 5% quantile on k = 1..30 degrees of freedom (beyond: Wilson and Hilferty's approximation, within 0.1%)
+CHI2_05 = (0.00393, 0.1026, 0.3518, 0.7107, 1.1455, 1.6354, 2.1673, 2.7326, 3.3251, 3.9403, 4.5748, 5.2260, 5.8919,
+           6.5706, 7.2609, 7.9616, 8.6718, 9.3905, 10.1170, 10.8508, 11.5913, 12.3380, 13.0905, 13.8484, 14.6114,
+           15.3792, 16.1514, 16.9279, 17.7084, 18.4927)
+
+
+def chi2_05(k: int) -> float:
+    if k <= len(CHI2_05):
+        return CHI2_05[k - 1]
+    return k * (1 - 2 / (9 * k) - 1.6449 * math.sqrt(2 / (9 * k))) ** 3
+
+
+def probability_edge_sd(base: ProbeResult, pilot: ProbeResult) -> float:
+    """Per-prompt sd of the change of a probe judged by probabilities (points): the pilot's, pooled over its lengths,
+    at its one-sided 95% upper confidence limit (infinite from one prompt per length)."""
+    squares, k = 0.0, 0
+    for n in base.probe.lengths:
+        a, b = base.at_length(n), pilot.at_length(n)
+        change = (judged(a, "probability") - judged(b, "probability")) * 100.0
+        if change.numel() > 1:
+            squares += float(change.var(unbiased=True)) * (change.numel() - 1)
+            k += change.numel() - 1
+    return math.sqrt(squares / chi2_05(k)) if k else float("inf")  # k x (pooled variance) / chi2_0.05(k)
+
+
 def resolutions(baselines: tuple[ProbeResult, ...], pilots: tuple[ProbeResult, ...],
-                tolerances: dict[str, float]) -> list[ProbeResolution]:
-    """Every probe at every length, at its current prompt count."""
+                tolerances: dict[str, float], measure: str = "rate") -> list[ProbeResolution]:
+    """Every probe at every length, at its current prompt count, judged by ``measure`` (search/guard.py)."""
     rows = []
     for base, pilot in zip(baselines, pilots):
         name, unit = base.probe.name, "nat" if base.probe.metric == "kl" else "pt"
+        pooled = probability_edge_sd(base, pilot) if measure == "probability" and unit == "pt" else None
         for n in base.probe.lengths:
             a, b = base.at_length(n), pilot.at_length(n)
-            rows.append(ProbeResolution(name, n, len(a.probe.items), edge_sd(a, b, tolerances[name]),
-                                        tolerances[name], unit))
+            sd = pooled if pooled is not None else edge_sd(a, b, tolerances[name])
+            rows.append(ProbeResolution(name, n, len(a.probe.items), sd, tolerances[name], unit))
     return rows
+
+
+JUDGED = {"match": "p_match", "token_accuracy": "p_token"}  # a read rate -> the probability judged in its place
+
+
+def judged(result: ProbeResult, measure: str) -> torch.Tensor:
+    """Per prompt, what a probe is judged by: its read rate (``rate``), or under ``probability`` the probability of
+    the key (pass key) or of each repeated token (copy); KL for text either way."""
+    field = JUDGED.get(result.probe.metric, result.probe.metric) if measure == "probability" else result.probe.metric
+    return getattr(result, field).double()
 
 
 @dataclass(frozen=True)
