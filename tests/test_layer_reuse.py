@@ -96,3 +96,38 @@ def test_a_start_larger_than_the_limit_is_never_read_and_its_points_run_in_full(
     assert torch.allclose(work.task_result(enc, hs).loglik, task_loglik(lm, enc, hs, 3, False).loglik, atol=1e-5)
     (start,) = work.reuse.summary()["starts"]
     assert (start["kept"], start["reads"], start["passes"]) == (False, 0, 0)
+
+
+def test_the_unablated_probe_read_keeps_what_the_points_start_from_at_no_read_of_its_own():
+    lm = tiny_model("qwen2")
+    work = Work(lm, None, progress=False)
+    probe = copy_probe(lm, (128,), 3, seed=2)
+    heads = HeadSet.of({2: [1], 3: [0, 5]})
+    work.keep_layer = 2
+    base = work.probe(probe, None)
+    (start,) = work.reuse.summary()["starts"]
+    assert (start["layer"], start["reads"], start["kept_by"]) == (2, 0, "unablated read")
+    assert start["tokens"] == sum(len(it.ids) for it in probe.items)
+    got = work.probe(probe, heads)
+    (start,) = work.reuse.summary()["starts"]
+    assert (start["reads"], start["passes"]) == (0, 1)  # the point started from it, nothing read again
+    full = probe_pass(lm, probe, heads)
+    for f in METRIC_FIELDS:
+        assert torch.allclose(getattr(got, f), getattr(full, f), atol=1e-6, rtol=0)
+        assert torch.equal(getattr(base, f), getattr(probe_pass(lm, probe, None), f))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_unablated_task_read_keeps_what_the_points_start_from_at_no_read_of_its_own(tmp_path, family):
+    lm = tiny_model(family)
+    enc = encode_task(lm, load_mmlu(str(cais_file(tmp_path, per_subject=9))))
+    work = Work(lm, None, batch_size=3, progress=False)
+    work.keep_layer = 2
+    base = work.task_result(enc, None)
+    assert torch.equal(base.loglik, task_loglik(lm, enc, None, 3, False).loglik)  # keeping changes nothing
+    (start,) = work.reuse.summary()["starts"]
+    assert (start["layer"], start["reads"], start["kept_by"]) == (2, 0, "unablated read")
+    heads = HeadSet.of({2: [0, 5], 3: [2]})
+    got = work.task_result(enc, heads)
+    assert work.reuse.summary()["starts"][0]["passes"] == 1
+    assert torch.allclose(got.loglik, task_loglik(lm, enc, heads, 3, False).loglik, atol=1e-5, rtol=0)

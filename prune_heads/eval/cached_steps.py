@@ -16,9 +16,11 @@ from prune_heads.eval.passes import task_loglik, task_loglik_many
 from prune_heads.eval.probes import METRIC_FIELDS, ProbeResult, probe_pass
 from prune_heads.eval.results import EvalResult
 from prune_heads.eval.reuse import (
+    Keep,
     ResidualStore,
     TaskStart,
     first_changed_layer,
+    keeping,
     read_task,
     read_texts,
     reuse_limit,
@@ -46,6 +48,7 @@ class Work:
         self.cache = ResultCache(staged.cache_dir if staged is not None else None)
         self._enc_digests: dict[int, str] = {}
         self.reuse = ResidualStore(reuse_limit(lm))
+        self.keep_layer: int | None = None  # where the points to come start: unablated reads keep it (reuse.py)
         import transformers
 
         self.model_key = {"model": lm.source.fingerprint or lm.source.spec, "revision": lm.source.revision,
@@ -152,15 +155,20 @@ class Work:
                "tokens": tokens_digest([list(it.ids) + [it.target, it.length] for it in probe.items]),
                "ablation": self.ablation_key(target)}
         hit = self._get("probe", key)
-        if hit is None:
+        if hit is not None:
+            return ProbeResult(probe, *(hit[f] for f in METRIC_FIELDS))
+        texts, what = [it.ids for it in probe.items], f"probe {probe.name}"
+        size = texts_bytes(self.lm, texts)
+        if key["ablation"] is None and self.reuse.wants(key["tokens"], self.keep_layer, size):
+            with keeping(self.lm, self.keep_layer) as kept:  # the unablated read leaves the points' start
+                result = probe_pass(self.lm, probe, None, self.progress, label)
+            self.reuse.put(what, key["tokens"], TaskStart(self.keep_layer, texts=[k[0] for k in kept]))
+        else:
             layer = first_changed_layer(target)
-            start = self.reuse.start(f"probe {probe.name}", key["tokens"], layer, texts_bytes(
-                self.lm, [it.ids for it in probe.items]), lambda: read_texts(self.lm, [it.ids for it in probe.items],
-                                                                              layer))
+            start = self.reuse.start(what, key["tokens"], layer, size, lambda: read_texts(self.lm, texts, layer))
             result = probe_pass(self.lm, probe, target, self.progress, label, start)
-            self.cache.put("probe", key, result.to_tensors())
-            return result
-        return ProbeResult(probe, *(hit[f] for f in METRIC_FIELDS))
+        self.cache.put("probe", key, result.to_tensors())
+        return result
 
     def task_results(self, enc: EncodedTask, head_sets: list[HeadSet], labels: list[str]) -> list[EvalResult]:
         """Several static head sets at once (task_loglik_many); cached per set like ``task_result``."""
@@ -193,12 +201,23 @@ class Work:
         questions = [it.question for it in enc.items]
         if hit is not None:
             return EvalResult(questions, hit["loglik"], label)
-        # Another model's passes (lm) never start from this model's residual streams.
-        layer = first_changed_layer(target) if ablation and lm is None else None
-        result = self._on_task_share(enc, target if ablation else None, lambda part, masks: [task_loglik(
-            lm or self.lm, part, masks, self.batch_size, self.progress, label=label,
-            start=self._task_start(part, layer))])[0]
+        result = self._on_task_share(enc, target if ablation else None, lambda part, masks: [self._task_pass(
+            part, masks, label, lm, first_changed_layer(target) if ablation else None)])[0]
         self.cache.put("eval", key, {"loglik": result.loglik})
+        return result
+
+    def _task_pass(self, enc: EncodedTask, masks, label: str, lm: LoadedModel | None, layer: int | None
+                   ) -> EvalResult:
+        """One task read: started at ``layer`` where a kept start serves it, or (unablated) leaving the start of the
+        points to come (``keep_layer``) when it is wanted. Another model's passes (``lm``) do neither."""
+        if lm is not None:
+            return task_loglik(lm, enc, masks, self.batch_size, self.progress, label=label)
+        key, size = self._task_key(enc), task_bytes(self.lm, enc)
+        keep = Keep(self.keep_layer) if masks is None and self.reuse.wants(key, self.keep_layer, size) else None
+        start = None if keep is not None else self._task_start(enc, layer)
+        result = task_loglik(self.lm, enc, masks, self.batch_size, self.progress, label, start, keep)
+        if keep is not None:
+            self.reuse.put(enc.task, key, keep.start())
         return result
 
     def task_result_of(self, enc: EncodedTask, lm: LoadedModel, identity: str, label: str = "") -> EvalResult:
@@ -216,9 +235,12 @@ class Work:
         full pass."""
         if not layer:
             return None
-        key = tokens_digest([it.context for it in enc.items] + [[len(s.prefix)] for s in enc.subjects])
-        return self.reuse.start(enc.task, key, layer, task_bytes(self.lm, enc),
+        return self.reuse.start(enc.task, self._task_key(enc), layer, task_bytes(self.lm, enc),
                                 lambda: read_task(self.lm, enc, layer, self.batch_size))
+
+    @staticmethod
+    def _task_key(enc: EncodedTask) -> str:
+        return tokens_digest([it.context for it in enc.items] + [[len(s.prefix)] for s in enc.subjects])
 
     # -- sharing a step out across ranks (one rank: the step as it is) ---------------------------------------------
 

@@ -23,7 +23,7 @@ from prune_heads import memory
 from prune_heads.eval.encoding import EncodedQuestion, EncodedSubject, EncodedTask
 from prune_heads.eval.prefix_cache import expanded, reservable, reserve
 from prune_heads.eval.results import EvalResult
-from prune_heads.eval.reuse import StartAt, SubjectStart, TaskStart, padded, starting_at
+from prune_heads.eval.reuse import Keep, SubjectFeed, SubjectStart, TaskStart, keeping, starting_at
 from prune_heads.heads import HeadSet
 from prune_heads.models.batching import pass_budget
 from prune_heads.models.finite import finite_logits
@@ -177,35 +177,27 @@ def _fast_subject(
     abl: "HeadAblation | None" = None,
     masks: torch.Tensor | None = None,
     start: SubjectStart | None = None,
+    keep: Keep | None = None,
 ) -> list[dict[int, list[float]]]:
     """Log-likelihoods for ``rows`` (indices into subject.items), one dict per head set.
 
     ``masks`` None: one set, the ablation the caller has already set. ``masks`` [n, L, H]: n static head sets in
     the same passes (row ``s`` of the prefix batch carries set ``s``; question chunks are laid out set-major).
-    ``start``: the passes start at its layer from its kept residual streams (reuse.py)."""
+    ``start``: the passes start at its layer from its kept residual streams; ``keep``: the (unablated) passes leave
+    the residual streams entering its layer in it (reuse.py)."""
     n = 1 if masks is None else masks.shape[0]
     if masks is not None:
         abl.set_mask(masks)
+    feed = None
     # Activations in host memory only: on an accelerator the C heap holds none of them.
     with memory.policy().per_layer(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()), \
-            starting_at(lm, None if start is None else start.layer) as at:
-        return _subject_passes(lm, subject, rows, batch_size, n, abl, masks, _Feed(at, start, n))
-
-
-class _Feed:
-    """What a pass starting above layer 0 is handed: nothing for a full pass."""
-
-    def __init__(self, at: StartAt | None, start: SubjectStart | None, n: int):
-        self.at, self.start, self.n = at, start, n
-
-    def prefix(self) -> None:
-        if self.at is not None:
-            self.at.feed(self.start.prefix.expand(self.n, -1, -1))
-
-    def questions(self, chunk: Sequence[int], width: int) -> None:
-        """Set-major rows of ``chunk``'s questions, ``width`` tokens wide."""
-        if self.at is not None:
-            self.at.feed(padded([self.start.questions[r] for _ in range(self.n) for r in chunk], width))
+            starting_at(lm, None if start is None else start.layer) as at, \
+            keeping(lm, None if keep is None else keep.layer) as kept:
+        feed = SubjectFeed(at, start, n)
+        out = _subject_passes(lm, subject, rows, batch_size, n, abl, masks, feed)
+    if keep is not None:
+        keep.subjects.append(feed.kept(kept, subject, keep.layer))
+    return out
 
 
 def _subject_passes(lm, subject, rows, batch_size, n, abl, masks, feed) -> list[dict[int, list[float]]]:
@@ -283,10 +275,12 @@ def task_loglik(
     progress: bool = True,
     label: str = "",
     start: TaskStart | None = None,
+    keep: Keep | None = None,
 ) -> EvalResult:
     """``masks`` as in MaskSpec. One mask for every question: the fast path per subject (shared prefix), the batched
     path for the questions it cannot take. A mask per question (dynamic ablation): the batched path, row by row.
-    ``start``: the fast path starts at its layer from the residual streams kept there (reuse.py)."""
+    ``start``: the fast path starts at its layer from the residual streams kept there; ``keep``: the fast path leaves
+    those entering its layer in it (reuse.py)."""
     get_mask = _mask_getter(lm, masks)
     loglik = empty_loglik(enc)
     items = enc.items
@@ -304,8 +298,10 @@ def task_loglik(
             enc.subjects, desc=desc, unit="subject", disable=not progress or len(enc.subjects) < 2, leave=False
         )):
             fast_rows = [r for r, it in enumerate(subject.items) if it.fast]
-            results = _fast_subject(lm, subject, fast_rows, batch_size, start=_subject_start(start, k))[0] \
-                if fast_rows else {}
+            results = _fast_subject(lm, subject, fast_rows, batch_size, start=_subject_start(start, k),
+                                    keep=keep)[0] if fast_rows else {}
+            if keep is not None and not fast_rows:
+                keep.subjects.append(None)
             for r, ll in results.items():
                 _store(loglik, offset + r, ll)
             slow += [offset + r for r, it in enumerate(subject.items) if not it.fast]

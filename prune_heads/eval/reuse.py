@@ -70,6 +70,25 @@ def read_below(lm: LoadedModel, layer: int, **forward: object) -> torch.Tensor:
     return seen[0]
 
 
+@contextmanager
+def keeping(lm: LoadedModel, layer: int | None) -> Iterator[list[torch.Tensor]]:
+    """Inside, the residual stream entering ``layer`` is kept from every forward pass (a host copy per pass, in
+    order): an unablated read that also leaves what later points start from, at no extra pass (no layer: nothing)."""
+    kept: list[torch.Tensor] = []
+    if layer is None:
+        yield kept
+        return
+
+    def keep(module, args, kwargs):
+        kept.append(_kept(args[0] if args else kwargs["hidden_states"]))
+
+    handle = lm.arch.decoder_layers(lm.model)[layer].register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        yield kept
+    finally:
+        handle.remove()
+
+
 class _StandIn(nn.Module):
     """Decoder layer ``index`` below the starting layer: appends a placeholder to its cache layer and hands the
     hidden states on (the last one hands on the kept residual stream). Anything else asked of it (its attention
@@ -185,6 +204,18 @@ class TaskStart:
                     for s in self.subjects if s is not None) + sum(t.shape[0] for t in self.texts))
 
 
+@dataclass
+class Keep:
+    """What an unablated task read is asked to leave: the residual streams entering ``layer``, per subject (None
+    where no question takes the shared-prefix path), appended as the read goes (passes.py)."""
+
+    layer: int
+    subjects: list[SubjectStart | None] = field(default_factory=list)
+
+    def start(self) -> TaskStart:
+        return TaskStart(self.layer, self.subjects)
+
+
 def _kept(hidden: torch.Tensor) -> torch.Tensor:
     """A row's residual stream as kept: its own storage, in host memory."""
     return hidden.detach().to("cpu", copy=True)
@@ -214,6 +245,33 @@ def read_subject(lm: LoadedModel, subject: EncodedSubject, rows: Sequence[int], 
         for q, r in enumerate(chunk):
             questions[r] = _kept(hidden[q, : len(suffixes[q])])
     return SubjectStart(layer, _kept(prefix), questions)
+
+
+class SubjectFeed:
+    """What a subject's shared-prefix passes (passes.py) starting above layer 0 are handed (nothing for a full pass),
+    and the chunks of questions the passes ran, in order (what an unablated read's kept residual streams are laid out
+    by)."""
+
+    def __init__(self, at: StartAt | None, start: SubjectStart | None, n: int):
+        self.at, self.start, self.n = at, start, n
+        self.chunks: list[Sequence[int]] = []
+
+    def prefix(self) -> None:
+        if self.at is not None:
+            self.at.feed(self.start.prefix.expand(self.n, -1, -1))
+
+    def questions(self, chunk: Sequence[int], width: int) -> None:
+        """Set-major rows of ``chunk``'s questions, ``width`` tokens wide."""
+        self.chunks.append(chunk)
+        if self.at is not None:
+            self.at.feed(padded([self.start.questions[r] for _ in range(self.n) for r in chunk], width))
+
+    def kept(self, kept: Sequence[torch.Tensor], subject: EncodedSubject, layer: int) -> SubjectStart:
+        """The residual streams ``keeping`` took from the prefix pass and each chunk's, per question."""
+        p = len(subject.prefix)
+        questions = {r: hidden[q, : len(subject.items[r].context) - p]
+                     for chunk, hidden in zip(self.chunks, kept[1:]) for q, r in enumerate(chunk)}
+        return SubjectStart(layer, kept[0][0], questions)
 
 
 def read_task(lm: LoadedModel, enc: EncodedTask, layer: int, batch_size: int) -> TaskStart:
@@ -258,9 +316,23 @@ class ResidualStore:
         start = read()
         entry.update(reads=entry["reads"] + 1, bytes=start.bytes, tokens=start.tokens)
         self._kept[(key, layer)] = start
+        self._evict()
+        return start
+
+    def wants(self, key: str, layer: int | None, size: int) -> bool:
+        """Whether a read of ``key`` should keep its residual stream at ``layer`` (it fits, and is not kept yet)."""
+        return bool(layer) and 0 < size <= self.limit and (key, layer) not in self._kept
+
+    def put(self, what: str, key: str, start: TaskStart) -> None:
+        """A start kept by a read that ran anyway (an unablated one, ``keeping``): no read of its own."""
+        self._log[(key, start.layer)] = {"what": what, "layer": start.layer, "bytes": start.bytes, "reads": 0,
+                                         "passes": 0, "kept": True, "tokens": start.tokens, "kept_by": "unablated read"}
+        self._kept[(key, start.layer)] = start
+        self._evict()
+
+    def _evict(self) -> None:
         while sum(s.bytes for s in self._kept.values()) > self.limit and len(self._kept) > 1:
             self._kept.popitem(last=False)
-        return start
 
     def summary(self) -> dict:
         return {"limit_bytes": self.limit, "starts": list(self._log.values())}

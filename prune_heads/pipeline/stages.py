@@ -30,6 +30,7 @@ from prune_heads.data.probes import ProbeOptions, ProbeSet, build_probes, probe_
 from prune_heads.eval.cached_steps import Work
 from prune_heads.eval.encoding import EncodedTask, encode_task
 from prune_heads.eval.results import EvalResult, chance_warning
+from prune_heads.eval.reuse import first_changed_layer
 from prune_heads.heads import ScoreTable
 from prune_heads.io.cache import tokens_digest
 from prune_heads.io.files import sha256_file
@@ -251,6 +252,7 @@ def guard_for(run: Run, pilot=None) -> Guard | None:
     s = run.settings
     if not s.guard:
         return None
+    run.work.keep_layer = first_changed_layer(pilot)  # the unablated reads keep where the points to come start
     guard = Guard.measured(run.work, GuardSetup(probes_for(run, s.guard), s.guard_tolerance, s.budget.rule,
                                                 s.guard_measure))
     if pilot is not None:

@@ -22,6 +22,7 @@ from prune_heads.console import say
 from prune_heads.data.tasks import TaskData
 from prune_heads.eval.encoding import encode_task
 from prune_heads.eval.results import accuracy_summary, paired_delta
+from prune_heads.eval.reuse import first_changed_layer
 from prune_heads.heads import HeadSet
 from prune_heads.plan.planner import objective_value
 from prune_heads.search.budget import judge
@@ -134,8 +135,10 @@ class _Confirmer:
         return self._baseline
 
     def passes(self, point) -> bool:
+        target = self.verifier.target(point.heads)
+        self.work.keep_layer = first_changed_layer(target)  # the baseline's read keeps where this point starts
         baseline = self.baseline
-        result = self.work.task_result(self.enc, self.verifier.target(point.heads), f"confirm {point.num_heads} heads")
+        result = self.work.task_result(self.enc, target, f"confirm {point.num_heads} heads")
         delta, kl, agree, ok = judge(self.verifier.budget, result, baseline)
         self.report["tried"].append(_record(point, delta, kl, agree, ok))
         say(f"  confirmation of {point.num_heads} heads on {len(self.enc)} unseen questions: delta {delta.delta:+.2f} "
