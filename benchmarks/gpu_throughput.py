@@ -11,8 +11,15 @@ verification does) and each question's own tokens: 13,757 questions (of the 14,0
 its exemplars), 1,567,826 tokens read. The point is evaluated by prune-heads' own pass
 (eval/passes.py) with 10% of the heads ablated, so what is timed is what a search point costs.
 
-``--quick`` (a CPU smoke test of the script itself): the same code on 2 layers of the 8B's attention geometry with a
-narrower MLP and vocabulary, the first subjects' counts and a small export.
+Then the same point with layer reuse (eval/reuse.py), for a head set whose first layer is three quarters of the way up
+(layer 24 of 32; ``--quick``: layer 1 of 2): the residual stream entering that layer read once (timed on its own:
+what an unablated read keeps at no extra pass in a run) and the point started there, side by side with the same
+point run in full, and their log-likelihoods compared.
+
+``--quick`` (a CPU smoke test of the script itself, run by tests/test_benchmarks.py): the same code on 2 layers of the
+8B's attention geometry with a narrower MLP and vocabulary, the first subject's first 4 questions, 2 calibration
+sequences and a small export. ``--dtype``: bfloat16 on a GPU, float32 on a CPU unless given (a CPU without bf16 units reads bf16 at
+~1 GFLOP/s).
 """
 from __future__ import annotations
 
@@ -45,9 +52,9 @@ def llama31_8b(quick: bool):
     return LlamaConfig(**shape)
 
 
-def built_on(device: torch.device, quick: bool):
-    """The model, its weights drawn on the device in bf16 as a user's load has them (the rotary buffers stay float32:
-    a model cast to bf16 after it is built would not equal its own reloaded export)."""
+def built_on(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16):
+    """The model, its weights drawn on the device in ``dtype`` as a user's load has them (the rotary buffers stay
+    float32: a model cast to bf16 after it is built would not equal its own reloaded export)."""
     from tiny import tokenizer
     from transformers import LlamaForCausalLM
 
@@ -57,9 +64,9 @@ def built_on(device: torch.device, quick: bool):
     config = llama31_8b(quick)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+        model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
     source = ModelSource("llama-3.1-8b-shape (random)", "directory", ".")
-    return LoadedModel(model, tokenizer(), adapter_for("llama"), source, torch.bfloat16, device), config
+    return LoadedModel(model, tokenizer(), adapter_for("llama"), source, dtype, device), config
 
 
 def encoded_counts(quick: bool, vocab: int):
@@ -71,10 +78,10 @@ def encoded_counts(quick: bool, vocab: int):
     counts = json.loads(COUNTS.read_text())
     g = torch.Generator().manual_seed(0)
     subjects = []
-    for name, row in list(counts["subjects"].items())[: 2 if quick else None]:
+    for name, row in list(counts["subjects"].items())[: 1 if quick else None]:
         prefix = torch.randint(10, vocab, (row["prefix"],), generator=g).tolist()
         items = []
-        for i, n in enumerate(row["questions"][: 8 if quick else None]):
+        for i, n in enumerate(row["questions"][: 4 if quick else None]):
             own = torch.randint(10, vocab, (n,), generator=g).tolist()
             q = Question(name, i, "", ("A", "B", "C", "D"), 0)
             items.append(EncodedQuestion(q, prefix + own, [[t] for t in (10, 11, 12, 13)], True))
@@ -100,10 +107,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-    print(f"machine: {machine()}")
-    lm, config = built_on(device, args.quick)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    print(f"machine: {machine()}; {dtype}")
+    lm, config = built_on(device, args.quick, dtype)
     params = sum(p.numel() for p in lm.model.parameters())
     enc = encoded_counts(args.quick, config.vocab_size)
     tokens = tokens_read(enc)
@@ -112,7 +121,7 @@ def main() -> None:
     task_loglik(lm, enc, heads, 8, progress=True, label="verification point")
     point = synced(device) - start
     g = torch.Generator().manual_seed(1)
-    calibration = [torch.randint(10, config.vocab_size, (1024,), generator=g).tolist() for _ in range(8 if args.quick
+    calibration = [torch.randint(10, config.vocab_size, (1024,), generator=g).tolist() for _ in range(2 if args.quick
                                                                                                    else 128)]
     start = synced(device)
     score_heads(lm, calibration, 8, progress=True)
@@ -121,6 +130,38 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else ""
     peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
     report(params, tokens, point, 1024 * len(calibration), scoring, export, peak, len(enc))
+    reuse(lm, enc, config.num_hidden_layers)
+
+
+def reuse(lm, enc, layers: int) -> None:
+    """One point whose heads start at 3/4 of the depth, in full and started there from the kept residual stream."""
+    from prune_heads.eval.passes import task_loglik
+    from prune_heads.eval.reuse import read_task
+    from prune_heads.heads import HeadSet
+
+    layer = max(1, 3 * layers // 4)
+    heads = HeadSet.of({i: [0, 10, 20] for i in range(layer, layers)})
+    device = lm.device
+    start = synced(device)
+    full = task_loglik(lm, enc, heads, 8, progress=True, label="point in full")
+    full_seconds = synced(device) - start
+    start = synced(device)
+    kept = read_task(lm, enc, layer, 8)
+    read_seconds = synced(device) - start
+    start = synced(device)
+    started = task_loglik(lm, enc, heads, 8, progress=True, label=f"point from layer {layer}", start=kept)
+    reuse_seconds = synced(device) - start
+    gap = float((full.loglik - started.loglik).abs().nan_to_num(0.0).max())
+    print(f"a point from layer {layer} of {layers}: in full {full_seconds:.2f} s, started there {reuse_seconds:.2f} s "
+          f"(x{full_seconds / reuse_seconds:.2f}); the residual stream kept there read once in {read_seconds:.2f} s "
+          f"({kept.bytes / 2**30:.2f} GiB in host memory); max |log-likelihood difference| {gap:.2e}")
+    result("reuse_layer", layer)
+    result("verification_point_full_seconds", round(full_seconds, 2))
+    result("verification_point_reuse_seconds", round(reuse_seconds, 2))
+    result("reuse_speedup", round(full_seconds / reuse_seconds, 2))
+    result("reuse_read_seconds", round(read_seconds, 2))
+    result("reuse_kept_gib", round(kept.bytes / 2**30, 3))
+    result("reuse_max_loglik_difference", f"{gap:.2e}")
 
 
 def export_seconds(lm, heads) -> float:
