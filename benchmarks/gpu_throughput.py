@@ -18,8 +18,8 @@ point run in full, and their log-likelihoods compared.
 
 ``--quick`` (a CPU smoke test of the script itself, run by tests/test_benchmarks.py): the same code on 2 layers of the
 8B's attention geometry with a narrower MLP and vocabulary, the first subject's first 4 questions, 2 calibration
-sequences and a small export. ``--dtype``: bfloat16 on a GPU, float32 on a CPU unless given (a CPU without bf16 units reads bf16 at
-~1 GFLOP/s).
+sequences and a small export. ``--dtype``: bfloat16 on a GPU, float32 on a CPU unless given (a CPU without bf16 units
+reads bf16 at ~1 GFLOP/s).
 """
 from __future__ import annotations
 
