@@ -290,7 +290,9 @@ def _resolved(run: Run, guard: Guard, pilot) -> Guard:
                            s.guard_measure)
         guard = Guard.measured(run.work, setup)
         guard.seconds += spent
-        rows = [r.at(sizing.prompts.get(r.probe, r.prompts)) for r in rows]
+        # What the resized probes resolve, from the pilot read again on them (the check of the search's choice, the
+        # first point the guard judges, then reads it from the cache): more prompts, a closer estimate.
+        rows = resolutions(guard.baselines, guard.read_all(pilot, "pilot"), guard.tolerances, s.guard_measure)
         counts = ", ".join(f"{n} {p} prompts per length" for p, n in sizing.prompts.items())
         say(f"long-context guard sized to resolve its tolerances: {counts}"
             + (f" (capped by {sizing.capped_by})" if sizing.capped_by else ""))
