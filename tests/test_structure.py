@@ -233,7 +233,7 @@ def test_no_docstring_or_comment_names_a_module_that_does_not_exist():
 
 
 # Test files that follow a behaviour across modules rather than one module (docs/ARCHITECTURE.md, "Tests").
-CROSS_CUTTING = {"cli", "decision", "docs", "faults", "hostile", "integrity", "lm_eval", "resume", "safety",
+CROSS_CUTTING = {"benchmarks", "cli", "decision", "docs", "faults", "hostile", "integrity", "lm_eval", "resume", "safety",
                  "structure", "vllm"}
 
 

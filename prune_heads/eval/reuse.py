@@ -27,6 +27,7 @@ from prune_heads.eval.encoding import EncodedSubject, EncodedTask
 from prune_heads.eval.prefix_cache import expanded
 from prune_heads.heads import HeadSet
 from prune_heads.models.batching import pass_budget
+from prune_heads.models.counting import weight_bytes
 from prune_heads.models.dtypes import available_bytes
 from prune_heads.models.loading import LoadedModel
 from prune_heads.plan.planner import PrunePlan
@@ -338,16 +339,18 @@ class ResidualStore:
         return {"limit_bytes": self.limit, "starts": list(self._log.values())}
 
 
-REUSE_SHARE = 0.25  # the residual streams kept for reuse (in host memory) hold at most this share of what is free
-REUSE_FLOOR = 64 * 2**20  # ... and never less than this
+REUSE_SHARE = 0.25  # the residual streams kept (in host memory) hold at most this share of the weights' bytes and of
+REUSE_FLOOR = 64 * 2**20  # the host memory free at the start, and never less than this
 
 
 def reuse_limit(lm: LoadedModel) -> int:
-    """Bytes a run keeps of residual streams: a quarter of the host memory free when the run starts (they are kept
-    there, whatever device computes), never under 64 MiB. The embedded model's README run keeps ~0.1 GB; full MMLU's
-    1.57 million tokens on an 8B model (4,096 wide, bf16) ~12.8 GB, which a GPU host with 64 GB free keeps."""
+    """Bytes a run keeps of residual streams: a quarter of the weights' bytes and of the host memory free when the
+    run starts (they are kept there, whatever device computes), never under 64 MiB. The embedded model's README run
+    (float32, 135 MB kept at most) reads ~190 MB of them over the run, the least recently used dropped; full MMLU's
+    1.57 million tokens on an 8B model (4,096 wide, bf16: 12.8 GB) exceed its 4 GB, so those points run in full,
+    while the search's blocks of subjects fit."""
     free = available_bytes(torch.device("cpu")) or 0
-    return max(REUSE_FLOOR, int(REUSE_SHARE * free))
+    return max(REUSE_FLOOR, int(REUSE_SHARE * min(weight_bytes(lm.model), free or weight_bytes(lm.model))))
 
 
 def _token_bytes(lm: LoadedModel) -> int:
