@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -12,6 +14,7 @@ def _results(out: str) -> dict[str, str]:
     return dict(line.removeprefix("RESULT ").split("=", 1) for line in out.splitlines() if line.startswith("RESULT "))
 
 
+@pytest.mark.slow
 def test_gpu_throughput_quick_on_the_cpu_reports_the_point_with_and_without_layer_reuse():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "benchmarks/gpu_throughput.py", "--device", "cpu", "--quick"], cwd=ROOT,
