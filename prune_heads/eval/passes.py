@@ -11,6 +11,9 @@ Three paths compute the same numbers:
   context: it runs once into a KV cache and the choices run on top (WinoGrande's per-choice contexts instead go as
   (context, continuation) requests in right-padded batches, each row with its own mask, logits only at the
   continuation positions).
+
+The fast path of a point whose heads start above layer 0 starts at that layer, from the residual stream the unablated
+model computes below it (reuse.py: the same numbers, only the layers the point changes are read).
 """
 from __future__ import annotations
 
@@ -188,7 +191,6 @@ def _fast_subject(
     n = 1 if masks is None else masks.shape[0]
     if masks is not None:
         abl.set_mask(masks)
-    feed = None
     # Activations in host memory only: on an accelerator the C heap holds none of them.
     with memory.policy().per_layer(lm.arch.decoder_layers(lm.model) if lm.device.type == "cpu" else ()), \
             starting_at(lm, None if start is None else start.layer) as at, \
